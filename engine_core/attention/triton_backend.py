@@ -1,0 +1,61 @@
+"""The `triton` attention backend: paged K/V writes plus paged decode and prefill attention, all Triton kernels.
+
+Runs on CUDA tensors, and on CPU tensors through the Triton interpreter (slow, for tests and CPU-only machines;
+`kernels` switches the interpreter on by itself when no CUDA device is present).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_core.attention.backend import AttentionBackend, AttentionMetadata
+from kernels import decode_attention, prefill_attention, store_kv
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        assert q.shape[1:] == (self.num_heads, self.head_dim), (q.shape, self.num_heads, self.head_dim)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        assert k_cache.shape[1:] == (self.block_size, self.num_kv_heads, self.head_dim), (kv_cache.shape, k.shape)
+        # First the writes: decode rows and prefill chunks then read their own new K/V back from the cache.
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+
+        out = torch.empty_like(q)
+        num_decodes = meta.num_decodes
+        if num_decodes > 0:
+            decode_attention(
+                q[:num_decodes],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                self.scale,
+                meta.max_decode_seq_len,
+                out=out[:num_decodes],
+            )
+        # NOTE: the host-side query lengths give the prefill token count without a device sync.
+        end = num_decodes + sum(meta.prefill_query_lens_cpu)
+        if meta.num_prefills > 0 and end > num_decodes:
+            prefill_attention(
+                q[num_decodes:end],
+                k_cache,
+                v_cache,
+                meta.prefill_block_tables,
+                meta.prefill_seq_lens,
+                meta.prefill_query_start_loc,
+                self.scale,
+                meta.max_prefill_query_len,
+                out=out[num_decodes:end],
+            )
+        if end < out.shape[0]:
+            out[end:].zero_()  # padding rows past the last chunk belong to no sequence
+        return out

@@ -1,0 +1,38 @@
+"""What the engine core emits per sequence per step: plain Python values, ready for a process boundary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_core.plan import LogprobsTensors
+from engine_core.request import FinishReason
+
+
+@dataclass
+class TokenLogprobs:
+    """One position: `token_ids[0]` is the chosen token (sampled, or the actual prompt token), then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int
+
+
+@dataclass
+class SeqOutput:
+    request_id: str
+    index: int  # choice index
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_start: int = 0  # prompt position of prompt_logprobs[0]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+def tensor_rows(tensors: LogprobsTensors, rows: list[int], k: int) -> list[TokenLogprobs]:
+    """Slices rows (and the first 1 + k columns) out of logprob tensors into Python values."""
+    ids = tensors.token_ids[rows, : k + 1].tolist()
+    lps = tensors.logprobs[rows, : k + 1].tolist()
+    ranks = tensors.ranks[rows].tolist()
+    return [TokenLogprobs(i, lp, r) for i, lp, r in zip(ids, lps, ranks, strict=True)]

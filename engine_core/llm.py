@@ -1,0 +1,152 @@
+"""The offline API, as in vLLM: `LLM(model=...).generate(prompts, SamplingParams(...))` and `.chat(messages)`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from engine_core.config import EngineConfig
+from engine_core.engine import EngineCore
+from engine_core.model_loader import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
+from engine_core.model_runner import ModelRunner
+from engine_core.output_processor import OutputProcessor
+from engine_core.outputs import RequestOutput
+from engine_core.request import FinishReason, Request
+from engine_core.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+ChatMessages = list[dict[str, str]]
+
+
+@dataclass
+class LoadedEngine:
+    core: EngineCore
+    runner: ModelRunner
+    tokenizer: PreTrainedTokenizerBase
+    model_name: str
+    eos_token_id: int | None
+
+
+def load_engine(config: EngineConfig) -> LoadedEngine:
+    """Resolves the model, loads the runner and sizes the KV cache: the one-process engine."""
+    model_dir = resolve_model_dir(config.model, config.cache_dir)
+    tokenizer = load_tokenizer(config.tokenizer or model_dir)
+    runner = ModelRunner(config, model_dir)
+    num_blocks = runner.profile_num_blocks()
+    runner.init_kv_cache(num_blocks)
+    core = EngineCore(config, runner, runner.max_model_len, num_blocks)
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = next(iter(read_generation_eos(model_dir)), None)
+    return LoadedEngine(core, runner, tokenizer, model_name(config.model), eos)
+
+
+def with_eos(params: SamplingParams, eos_token_id: int | None, vocab_size: int) -> SamplingParams:
+    """A copy of the user's params that knows the model's EOS id (the user's object is left untouched)."""
+    params.validate_vocab(vocab_size)
+    return dataclasses.replace(params, eos_token_id=eos_token_id)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.config = EngineConfig.from_kwargs(model=model, **engine_args)
+        self.engine = load_engine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    @property
+    def core(self) -> EngineCore:
+        return self.engine.core
+
+    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+        cache_salt: str | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (
+            [sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams) else sampling_params
+        )
+        if len(params_list) != len(prompt_list):
+            raise ValueError(f"got {len(prompt_list)} prompts but {len(params_list)} sampling_params")
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(f"got {len(prompt_list)} prompts but {len(priority)} priorities")
+        processor = OutputProcessor(self.tokenizer)
+        order: list[str] = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+            text, token_ids = self._tokenize(prompt)
+            request_id = str(next(self._ids))
+            params = with_eos(params, self.engine.eos_token_id, self.engine.runner.info.vocab_size)
+            request = Request(
+                request_id, token_ids, params, priority=priority[i] if priority else 0, cache_salt=cache_salt, prompt=text
+            )
+            self.core.add_request(request)
+            processor.add_request(request_id, text, token_ids, params, request.timings.arrival)
+            order.append(request_id)
+        return self._run(processor, order, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts: list[PromptType] = [
+            {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)} for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            vocab = self.engine.runner.info.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt_token_ids contains ids outside the vocabulary (size {vocab}): {bad[:5]}")
+            return prompt.get("prompt"), ids
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))
+        raise TypeError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
+
+    def _run(self, processor: OutputProcessor, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.core.has_unfinished:
+                step = processor.process(self.core.step())
+                for stop in step.stops:
+                    self.core.finish_choice(stop.request_id, stop.index, FinishReason.STOP_STRING, stop.stop)
+                for update in step.updates:
+                    if update.output.finished:
+                        finished[update.output.request_id] = update.output
+                        bar.update(1)
+        except BaseException:
+            for request_id in order:
+                if request_id not in finished:
+                    self.core.abort(request_id)
+            raise
+        finally:
+            bar.close()
+        return [finished[r] for r in order]

@@ -1,0 +1,244 @@
+"""The model runner: executes a `SchedulerOutput` on the model and the paged KV cache, returns sampled tokens.
+
+It is what a worker process runs. It keeps the persistent batch (`InputBatch` + `SamplingBatch`) in sync from the
+plan's deltas alone, so the scheduler never sends token ids for decode steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import structlog
+import torch
+
+from engine_core.attention.backend import AttentionMetadata, create_backend
+from engine_core.config import EngineConfig
+from engine_core.input_batch import InputBatch, StepInputs
+from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config
+from engine_core.models.llama import model_class
+from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from engine_core.sampler import Sampler, compute_logprobs
+from engine_core.sampling_batch import SamplingBatch
+
+log = structlog.get_logger(__name__)
+
+GIB = 1 << 30
+
+
+@dataclass
+class ModelInfo:
+    """What the scheduler and the frontend need to know about the loaded model."""
+
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_bytes: int  # bytes one KV block takes across all layers
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: object) -> int:
+    limit = int(getattr(hf_config, "max_position_embeddings", 8192))
+    # NOTE: no sliding-window attention: a window caps the context we can serve exactly.
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        limit = min(limit, int(window))
+    if config.max_model_len is None:
+        return min(limit, 8192)
+    if config.max_model_len > limit:
+        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's limit ({limit})")
+    return config.max_model_len
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        if config.num_threads and self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        hf = load_config(model_dir)
+        self.hf_config = hf
+        arch = architecture(hf)
+        cls = model_class(arch)
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.max_model_len = resolve_max_model_len(config, hf)
+        backend = create_backend(
+            config.resolved_backend,
+            hf.num_attention_heads,
+            hf.num_key_value_heads,
+            head_dim,
+            config.block_size,
+            head_dim**-0.5,
+        )
+        self.backend = backend
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            model = cls(hf, backend, self.max_model_len)
+        model.load_weights(iter_weights(model_dir))
+        self.model = model.to(dtype=self.dtype).eval()
+        self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
+        log.info("model loaded", architecture=arch, dtype=config.dtype, seconds=round(time.perf_counter() - t0, 2))
+        elt = torch.tensor([], dtype=self.dtype).element_size()
+        self.info = ModelInfo(
+            architecture=arch,
+            vocab_size=hf.vocab_size,
+            max_model_len=self.max_model_len,
+            num_layers=hf.num_hidden_layers,
+            num_kv_heads=hf.num_key_value_heads,
+            head_dim=head_dim,
+            block_bytes=2 * config.block_size * hf.num_key_value_heads * head_dim * elt * hf.num_hidden_layers,
+        )
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler()
+        max_rows = config.max_num_seqs
+        self.max_blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
+        self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, config.block_size)
+        self.sampling = SamplingBatch(hf.vocab_size, self.device, max_rows)
+        self._prompt_logprob_seqs: set[int] = set()
+
+    # ---- KV cache -------------------------------------------------------------------------------------------
+    def profile_num_blocks(self) -> int:
+        """How many KV blocks fit in the configured budget."""
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization)
+        else:
+            budget = int(self.config.kv_cache_memory * GIB)
+        return max(2, budget // self.info.block_bytes)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        info = self.info
+        shape = (2, num_blocks, self.config.block_size, info.num_kv_heads, info.head_dim)
+        # NOTE: zeros, not empty: padded block-table entries point at block 0, and garbage there could be NaN.
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
+        tokens = num_blocks * self.config.block_size
+        log.info(
+            "KV cache allocated",
+            blocks=num_blocks,
+            block_size=self.config.block_size,
+            gib=round(num_blocks * info.block_bytes / GIB, 3),
+            tokens=tokens,
+            max_concurrency_at_max_model_len=round(tokens / self.max_model_len, 2),
+        )
+
+    # ---- one step -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_deltas(plan)
+        if plan.is_empty:
+            return ModelRunnerOutput()
+        seq_ids = list(plan.num_scheduled_tokens)
+        inputs = self.batch.prepare(seq_ids, [plan.num_scheduled_tokens[s] for s in seq_ids])
+        meta = self._attention_metadata(inputs)
+        self.backend.prepare(meta)
+        hidden = self.model(
+            torch.from_numpy(inputs.input_ids).to(self.device),
+            torch.from_numpy(inputs.positions).to(self.device),
+            self.kv_caches,
+            meta,
+        )
+        out = ModelRunnerOutput()
+        out.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        sample_idx = np.flatnonzero(inputs.sample_mask)
+        if len(sample_idx) == 0:
+            self.batch.advance(inputs, sample_idx, sample_idx)
+            return out
+        sample_seq_ids = [inputs.seq_ids[i] for i in sample_idx]
+        last_token = torch.from_numpy(inputs.query_start_loc[1:][sample_idx] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[last_token])
+        sampled = self.sampler(logits, self.sampling.metadata(sample_seq_ids))
+        tokens = sampled.sampled_token_ids
+        self.sampling.append_tokens(sample_seq_ids, tokens)
+        tokens_np = tokens.cpu().numpy()
+        self.batch.advance(inputs, inputs.rows[sample_idx], tokens_np)
+        out.seq_ids = sample_seq_ids
+        out.sampled_token_ids = tokens_np.tolist()
+        out.logprobs = sampled.logprobs
+        return out
+
+    def _apply_deltas(self, plan: SchedulerOutput) -> None:
+        for seq_id in plan.finished_seq_ids:
+            self.batch.remove(seq_id)
+            self.sampling.remove(seq_id)
+            self._prompt_logprob_seqs.discard(seq_id)
+        for new in plan.new_seqs:
+            if new.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprob_seqs.add(new.seq_id)
+            self.batch.add(
+                new.seq_id, new.token_ids, new.num_prompt_tokens, new.block_ids, new.num_computed_tokens,
+                new.sampling_params,
+            )
+            self.sampling.add(
+                new.seq_id,
+                new.sampling_params,
+                new.seed,
+                new.token_ids[: new.num_prompt_tokens],
+                new.token_ids[new.num_prompt_tokens :],
+            )
+        for cached in plan.cached_seqs:
+            self.batch.append_blocks(cached.seq_id, cached.new_block_ids)
+        if plan.copy_blocks:
+            src = torch.tensor([s for s, _ in plan.copy_blocks], device=self.device)
+            dst = torch.tensor([d for _, d in plan.copy_blocks], device=self.device)
+            for cache in self.kv_caches:
+                cache[:, dst] = cache[:, src]
+
+    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        nd = inputs.num_decodes
+        rows = inputs.rows
+        seq_lens = inputs.num_computed + inputs.num_scheduled
+        bs = self.config.block_size
+        dev = self.device
+
+        def tables(sel: slice) -> torch.Tensor:
+            lens = seq_lens[sel]
+            width = int(-(-lens.max() // bs)) if len(lens) else 0
+            return torch.from_numpy(self.batch.block_tables(rows[sel], width)).to(dev)
+
+        q_lens = inputs.num_scheduled[nd:]
+        return AttentionMetadata(
+            num_decodes=nd,
+            num_prefills=len(rows) - nd,
+            num_decode_tokens=nd,
+            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
+            decode_seq_lens=torch.from_numpy(seq_lens[:nd].astype(np.int32)).to(dev),
+            decode_block_tables=tables(slice(0, nd)),
+            max_decode_seq_len=int(seq_lens[:nd].max()) if nd else 0,
+            prefill_query_start_loc=torch.from_numpy(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)).to(
+                dev
+            ),
+            prefill_seq_lens=torch.from_numpy(seq_lens[nd:].astype(np.int32)).to(dev),
+            prefill_block_tables=tables(slice(nd, None)),
+            max_prefill_query_len=int(q_lens.max()) if len(q_lens) else 0,
+            max_prefill_seq_len=int(seq_lens[nd:].max()) if len(q_lens) else 0,
+            prefill_query_lens_cpu=q_lens.tolist(),
+            prefill_seq_lens_cpu=seq_lens[nd:].tolist(),
+        )
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
+        """Logprobs of the prompt tokens this step's chunk predicts (only for sequences that asked)."""
+        result: dict[int, PromptLogprobs] = {}
+        if not self._prompt_logprob_seqs:
+            return result
+        for i, seq_id in enumerate(inputs.seq_ids):
+            k = self.batch.params[seq_id].prompt_logprobs
+            if k is None:
+                continue
+            row = int(inputs.rows[i])
+            start, n = int(inputs.num_computed[i]), int(inputs.num_scheduled[i])
+            # Position p predicts prompt token p + 1; only prompt tokens have prompt logprobs.
+            end = min(start + n, int(self.batch.num_prompt[row]) - 1)
+            if end <= start:
+                continue
+            offset = int(inputs.query_start_loc[i])
+            logits = self.model.compute_logits(hidden[offset : offset + end - start])
+            targets = torch.from_numpy(self.batch.token_ids[row, start + 1 : end + 1]).to(self.device)
+            result[seq_id] = PromptLogprobs(start=start + 1, tensors=compute_logprobs(logits, targets, k))
+        return result

@@ -1,0 +1,223 @@
+"""Pagoda's Llama-family model (Llama, Mistral, Qwen2) over a flattened token batch and the paged KV cache.
+
+Shapes: the step's tokens are flattened to `[num_tokens]`; attention goes through the attention backend, which
+reads and writes K/V in the paged cache. Q/K/V and gate/up projections are fused into one GEMM each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from engine_core.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual): the residual add is fused into the norm call."""
+        if residual is not None:
+            x = x + residual
+        residual = x
+        # NOTE: same op order and fp32 upcast as transformers' LlamaRMSNorm, so fp32 logits match bit for bit-ish.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype), residual
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for every position, built once with transformers' own rope-parameter functions."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = backend.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.backend = backend
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, backend, qkv_bias)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Also serves Mistral (same graph) and Qwen2 (Q/K/V biases)."""
+
+    qkv_bias = False
+
+    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, backend, self.qkv_bias) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, backend.head_dim, max_positions)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Returns the final hidden states `[num_tokens, hidden]` (logits are computed only where needed)."""
+        h = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer.input_layernorm(h, residual)
+            h = layer.self_attn(x, positions, self.rotary, kv_cache, meta)
+            x, residual = layer.post_attention_layernorm(h, residual)
+            h = layer.mlp(x)
+        h, _ = self.norm(h, residual)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Maps HF names onto the fused layout; fails loudly on a missing or unexpected tensor."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
+        fused |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            parts = name.split(".")
+            target, offset_size = name, None
+            if len(parts) >= 2 and parts[-2] in fused:
+                fused_name, shard = fused[parts[-2]]
+                target = ".".join([*parts[:-2], fused_name, parts[-1]])
+                offset_size = self._shard_range(fused_name, shard)
+            if target not in params:
+                raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
+            param = params[target]
+            if offset_size is None:
+                param.copy_(tensor)
+            else:
+                start, size = offset_size
+                param.narrow(0, start, size).copy_(tensor)
+            loaded.add(f"{target}#{offset_size}")
+        expected = self._expected_loads(params)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
+        attn = self.layers[0].self_attn
+        if fused_name == "qkv_proj":
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.layers[0].mlp.intermediate] * 2
+        return sum(sizes[:shard]), sizes[shard]
+
+    def _expected_loads(self, params: dict[str, nn.Parameter]) -> set[str]:
+        expected: set[str] = set()
+        for name in params:
+            kind = name.split(".")[-2] if "." in name else ""
+            if kind == "qkv_proj":
+                expected |= {f"{name}#{self._shard_range('qkv_proj', i)}" for i in range(3)}
+            elif kind == "gate_up_proj":
+                expected |= {f"{name}#{self._shard_range('gate_up_proj', i)}" for i in range(2)}
+            else:
+                expected.add(f"{name}#None")
+        return expected
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    qkv_bias = True
+
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[LlamaForCausalLM]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        ) from None

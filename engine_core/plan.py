@@ -1,0 +1,82 @@
+"""The typed messages between the scheduler and the model runner (per step), as deltas.
+
+A remote worker can execute a `SchedulerOutput` from these fields alone: a sequence arrives once in full
+(`NewSequenceData`), afterwards only its new block ids and token counts (`CachedSequenceData`). The worker keeps
+the token ids it sampled itself, so decode steps carry no token ids at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine_core.sampling_params import SamplingParams
+
+
+@dataclass
+class NewSequenceData:
+    """A sequence the worker has not seen (or must rebuild after preemption)."""
+
+    seq_id: int
+    token_ids: list[int]  # prompt + any output so far (non-empty output only when resumed after preemption)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed: int | None  # per-sequence seed (request seed + choice index), None for the shared generator
+    block_ids: list[int]
+    num_computed_tokens: int  # tokens whose K/V already sit in `block_ids` (prefix-cache hit or fork)
+
+
+@dataclass
+class CachedSequenceData:
+    """A sequence the worker already holds: only what changed."""
+
+    seq_id: int
+    new_block_ids: list[int]
+    num_computed_tokens: int  # before this step, as the scheduler sees it
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan. `num_scheduled_tokens` orders the batch: the worker runs sequences in this order."""
+
+    new_seqs: list[NewSequenceData] = field(default_factory=list)
+    cached_seqs: list[CachedSequenceData] = field(default_factory=list)
+    num_scheduled_tokens: dict[int, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Sequences the worker must forget (finished, aborted or preempted since the last step).
+    finished_seq_ids: list[int] = field(default_factory=list)
+    # Copy-on-write of shared partial blocks (src, dst), applied before the forward pass.
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class LogprobsTensors:
+    """Per sampled row: `token_ids[:, 0]` is the sampled token, the rest are the top-k alternatives."""
+
+    token_ids: torch.Tensor  # [rows, 1 + k] int64
+    logprobs: torch.Tensor  # [rows, 1 + k] float32
+    ranks: torch.Tensor  # [rows] int64, rank of the sampled token (1 = most likely)
+
+
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens [start, start + rows) of one sequence, computed in one prefill chunk."""
+
+    start: int
+    tensors: LogprobsTensors
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker returns: one sampled token per sequence that reached the end of its known tokens."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    # Rows aligned with seq_ids, k = the largest `logprobs` asked in the batch; None when nobody asked.
+    logprobs: LogprobsTensors | None = None
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)

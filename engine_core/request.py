@@ -1,0 +1,113 @@
+"""Requests and the sequences the scheduler runs.
+
+A `Request` is what a user asked for (one prompt, `n` choices). Each choice is a `Sequence`, the unit the
+scheduler batches, allocates blocks for and may preempt. With `n > 1` the first sequence prefills the prompt
+alone; the others fork from it and share its blocks (see `Scheduler._fork`).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine_core.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+    @property
+    def openai(self) -> str:
+        """The finish_reason string vLLM and OpenAI clients expect."""
+        return {"stop_token": "stop", "stop_string": "stop"}.get(self.value, self.value)
+
+
+@dataclass
+class RequestTimings:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    priority: int = 0  # lower value = served first (vLLM's convention)
+    cache_salt: str | None = None
+    prompt: str | None = None
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C traceparent/tracestate
+    timings: RequestTimings = field(default_factory=RequestTimings)
+    seqs: list[Sequence] = field(default_factory=list)
+    arrival_index: int = 0  # tie-break for equal priorities and arrival times (FCFS)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.seqs) == self.sampling_params.n and all(s.is_finished for s in self.seqs)
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: Request
+    index: int  # choice index within the request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission (-1: not yet)
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    # An unforked parent of an n > 1 request stops its prefill one token short, then forks (Scheduler._fork).
+    pending_fork: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def target_tokens(self) -> int:
+        """How many tokens this sequence wants computed before it can sample (or fork)."""
+        return self.num_prompt_tokens - 1 if self.pending_fork else self.num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def seed(self) -> int | None:
+        seed = self.request.sampling_params.seed
+        # NOTE: choice i of a seeded request uses seed + i (as vLLM does), so the n choices differ but repeat.
+        return None if seed is None else seed + self.index
+
+    @property
+    def sort_key(self) -> tuple[int, float, int, int]:
+        """Scheduling order: priority, then arrival (FCFS); the largest key is the preemption victim."""
+        r = self.request
+        return (r.priority, r.timings.arrival, r.arrival_index, self.index)

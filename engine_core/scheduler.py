@@ -1,0 +1,284 @@
+"""Iteration-level continuous batching with chunked prefill, prefix caching, forking and recompute preemption.
+
+There are no prefill/decode phases (as in vLLM V1): every sequence has `num_computed_tokens` and a target, and each
+step closes the gap for as many sequences as the token budget and `max_num_seqs` allow. Running sequences go first;
+waiting ones are admitted only if nobody was preempted this step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine_core.config import EngineConfig
+from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.plan import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
+from engine_core.request import FinishReason, Request, Sequence, SequenceStatus
+
+
+@dataclass
+class SequenceUpdate:
+    """What one step did to one sequence: the token it sampled (row = its row in ModelRunnerOutput)."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    row: int
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, max_model_len: int, num_blocks: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.block_size = config.block_size
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[int, Sequence] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._on_worker: set[int] = set()  # sequences the worker holds state for
+        self._to_drop: list[int] = []  # finished/preempted since the last step: the worker forgets them
+        self.num_preemptions = 0
+        key: Callable[[Sequence], tuple] = (
+            (lambda s: s.sort_key) if config.scheduling_policy == "priority" else (lambda s: s.sort_key[1:])
+        )
+        self._key = key
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        n_prompt = request.num_prompt_tokens
+        if n_prompt == 0:
+            raise ValueError("prompt must contain at least one token")
+        if n_prompt >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {n_prompt} tokens long but max_model_len is {self.max_model_len}: "
+                "the prompt must be shorter than max_model_len to leave room for output"
+            )
+        n = request.sampling_params.n
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n ({n}) must be <= max_num_seqs ({self.config.max_num_seqs})")
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        request.arrival_index = next(self._arrivals)
+        self.requests[request.request_id] = request
+        # A one-token prompt has nothing to share: its n choices start independently.
+        count = n if (n > 1 and n_prompt == 1) else 1
+        for index in range(count):
+            seq = self._new_seq(request, index, list(request.prompt_token_ids))
+            seq.pending_fork = n > 1 and count == 1
+            self.waiting.append(seq)
+
+    def _new_seq(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
+        seq = Sequence(next(self._seq_ids), request, index, token_ids, request.num_prompt_tokens)
+        request.seqs.append(seq)
+        self.seqs[seq.seq_id] = seq
+        return seq
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.finish_seq(seq, FinishReason.ABORT)
+        return request
+
+    def finish_seq(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        """Ends a sequence now (stop string, abort, error, or a stop found by `update`) and frees its blocks."""
+        if seq.is_finished:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.kv.free(seq)
+        self._forget(seq)
+        request = seq.request
+        if request.finished:
+            request.timings.finished = time.monotonic()
+            self.requests.pop(request.request_id, None)
+            for s in request.seqs:
+                self.seqs.pop(s.seq_id, None)
+
+    def _forget(self, seq: Sequence) -> None:
+        if seq.seq_id in self._on_worker:
+            self._on_worker.discard(seq.seq_id)
+            self._to_drop.append(seq.seq_id)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- scheduling -----------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[int, int] = {}  # seq_id -> tokens, in batch order
+        new_blocks: dict[int, list[int]] = {}
+        preemptions_before = self.num_preemptions
+
+        i = 0
+        self.running.sort(key=self._key)
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.pending_fork and seq.num_computed_tokens >= seq.target_tokens:
+                if not self._fork(seq, out, scheduled, new_blocks):
+                    continue  # the parent itself was preempted: the list shrank, retry this index
+            num_new = min(seq.target_tokens - seq.num_computed_tokens, budget)
+            ids = self.kv.allocate(seq, num_new) if num_new > 0 else []
+            if ids is None:
+                # NOTE: running is sorted, so the victim (lowest priority, then newest) is at or after index i.
+                victim = max(self.running, key=self._key)
+                budget += scheduled.pop(victim.seq_id, 0)
+                new_blocks.pop(victim.seq_id, None)
+                self._preempt(victim)
+                continue  # retry the same index (the list shrank, or seq itself is gone)
+            if num_new > 0:
+                scheduled[seq.seq_id] = num_new
+                new_blocks[seq.seq_id] = ids
+                budget -= num_new
+            i += 1
+
+        if self.num_preemptions == preemptions_before:
+            budget = self._admit(budget, scheduled, new_blocks)
+
+        return self._build_output(out, scheduled, new_blocks)
+
+    def _admit(self, budget: int, scheduled: dict[int, int], new_blocks: dict[int, list[int]]) -> int:
+        self.waiting.sort(key=self._key)
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            slots = seq.request.sampling_params.n if seq.pending_fork else 1
+            if len(self.running) + slots > self.config.max_num_seqs:
+                break
+            prefix = self.kv.lookup_prefix(seq) if seq.num_computed_tokens == 0 else []
+            computed = seq.num_computed_tokens + len(prefix) * self.block_size
+            num_new = min(seq.target_tokens - computed, budget)
+            ids = self.kv.allocate(seq, num_new, prefix)
+            if ids is None:
+                break  # NOTE: strict FCFS/priority: a later, smaller request does not jump the queue
+            self.waiting.pop(0)
+            seq.num_computed_tokens = computed
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = min(computed, seq.num_prompt_tokens)
+            seq.status = SequenceStatus.RUNNING
+            timings = seq.request.timings
+            if timings.first_scheduled is None:
+                timings.first_scheduled = time.monotonic()
+            self.running.append(seq)
+            scheduled[seq.seq_id] = num_new
+            new_blocks[seq.seq_id] = ids
+            budget -= num_new
+        return budget
+
+    def _fork(
+        self, parent: Sequence, out: SchedulerOutput, scheduled: dict[int, int], new_blocks: dict[int, list[int]]
+    ) -> bool:
+        """Creates the n - 1 siblings of a parent whose shared prompt part is computed.
+
+        Returns False when the parent itself had to be preempted to find blocks for the copies.
+        """
+        request = parent.request
+        while True:
+            # Each sibling needs at most one block for its copy of the partial block.
+            needs_copy = parent.num_computed_tokens % self.block_size != 0
+            if not needs_copy or self.kv.num_free_blocks >= request.sampling_params.n - 1:
+                break
+            victim = max(self.running, key=self._key)
+            scheduled.pop(victim.seq_id, None)  # never scheduled yet: victims sort after the parent
+            new_blocks.pop(victim.seq_id, None)
+            self._preempt(victim)
+            if victim is parent:
+                return False
+        parent.pending_fork = False
+        at = self.running.index(parent) + 1
+        for index in range(1, request.sampling_params.n):
+            child = self._new_seq(request, index, list(parent.token_ids))
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = SequenceStatus.RUNNING
+            self.kv.fork(parent, child, out.copy_blocks)
+            self.running.insert(at, child)
+            at += 1
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: drop the blocks, keep the tokens, requeue at the front of its class."""
+        self.running.remove(seq)
+        self.kv.free(seq)
+        self._forget(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, seq)
+
+    def _build_output(
+        self, out: SchedulerOutput, scheduled: dict[int, int], new_blocks: dict[int, list[int]]
+    ) -> SchedulerOutput:
+        out.finished_seq_ids, self._to_drop = self._to_drop, []
+        # NOTE: batch order = running order, so decodes and prefills interleave; the runner regroups them.
+        for seq in self.running:
+            n = scheduled.get(seq.seq_id)
+            if n is None:
+                continue
+            if seq.seq_id in self._on_worker:
+                out.cached_seqs.append(CachedSequenceData(seq.seq_id, new_blocks[seq.seq_id], seq.num_computed_tokens))
+            else:
+                self._on_worker.add(seq.seq_id)
+                out.new_seqs.append(
+                    NewSequenceData(
+                        seq_id=seq.seq_id,
+                        token_ids=list(seq.token_ids),
+                        num_prompt_tokens=seq.num_prompt_tokens,
+                        sampling_params=seq.request.sampling_params,
+                        seed=seq.seed,
+                        block_ids=self.kv.block_ids(seq.seq_id),
+                        num_computed_tokens=seq.num_computed_tokens,
+                    )
+                )
+            out.num_scheduled_tokens[seq.seq_id] = n
+            seq.num_computed_tokens += n
+            self.kv.cache_computed_blocks(seq)
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        return out
+
+    # ---- results ----------------------------------------------------------------------------------------------
+    def update(self, runner_out: ModelRunnerOutput) -> list[SequenceUpdate]:
+        """Appends sampled tokens, applies stop tokens and length limits, frees finished sequences."""
+        updates = []
+        now = time.monotonic()
+        for row, (seq_id, token) in enumerate(zip(runner_out.seq_ids, runner_out.sampled_token_ids, strict=True)):
+            seq = self.seqs.get(seq_id)
+            if seq is None or seq.is_finished or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            seq.token_ids.append(token)
+            if seq.request.timings.first_token is None:
+                seq.request.timings.first_token = now
+            reason, stop_reason = self._check_stop(seq, token)
+            updates.append(SequenceUpdate(seq, [token], row, reason))
+            if reason is not None:
+                self.finish_seq(seq, reason, stop_reason)
+        return updates
+
+    def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, int | None]:
+        params = seq.request.sampling_params
+        if seq.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
+            # vLLM reports stop_reason None for EOS and the token id for an explicit stop_token_id.
+            return FinishReason.STOP_TOKEN, (None if token == params.eos_token_id else token)
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH, None
+        if seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    # ---- stats --------------------------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv.num_free_blocks
