@@ -1,0 +1,62 @@
+"""Tiny random-initialised Qwen2 and Mistral models: Pagoda's forward and greedy decoding equal transformers'."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+from engine_core import LLM, SamplingParams
+from engine_core.model_loader import load_tokenizer
+from tests.hf_reference import hf_greedy
+
+VOCAB = 49152  # SmolLM2's tokenizer is saved beside the tiny weights so text prompts work too
+
+
+def _tiny(kind: str, path: Path, smollm2_dir: str) -> Path:
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,  # peaky logits: argmax is not decided by rounding noise
+        tie_word_embeddings=False,
+    )
+    config = Qwen2Config(**common) if kind == "qwen2" else MistralConfig(**common, sliding_window=None)
+    config.architectures = ["Qwen2ForCausalLM" if kind == "qwen2" else "MistralForCausalLM"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if kind == "qwen2":  # random Q/K/V biases, so a missing bias would show
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.2)
+    model.save_pretrained(path)
+    load_tokenizer(smollm2_dir).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
+def test_tiny_model_greedy_matches_transformers(kind: str, tmp_path: Path, smollm2_dir: str) -> None:
+    model_dir = _tiny(kind, tmp_path / kind, smollm2_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in (1, 7, 16, 17, 40, 70)]
+    llm = LLM(str(model_dir), kv_cache_memory=0.1, max_num_batched_tokens=32)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        use_tqdm=False,
+    )
+    for p, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(ref, p, 20)
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLM(str(tmp_path))
