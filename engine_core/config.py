@@ -33,7 +33,9 @@ class EngineConfig:
     # Model execution
     attention_backend: str | None = None  # "torch" | "triton"; None picks by device
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
-    cache_dir: str = field(default_factory=lambda: os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda")))
+    cache_dir: str = field(
+        default_factory=lambda: os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda"))
+    )
 
     def __post_init__(self) -> None:
         self.validate()

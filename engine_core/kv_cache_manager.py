@@ -51,9 +51,17 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
+        return hit
+
+    def record_prefix_lookup(self, seq: Sequence, hit: list[KVBlock]) -> None:
+        """Counts an admitted sequence's lookup in the hit-rate stats.
+
+        NOTE: not counted in `lookup_prefix`: a request blocked at the head of the queue is looked up every step.
+        """
+        if not self.enable_caching or seq.request.sampling_params.prompt_logprobs is not None:
+            return
         self.stats.queries += seq.num_prompt_tokens
         self.stats.hits += min(len(hit) * self.block_size, seq.num_prompt_tokens)
-        return hit
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[KVBlock] | None = None) -> bool:
         return self._blocks_needed(seq, num_new_tokens, prefix or []) <= self._available(prefix or [])

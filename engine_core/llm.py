@@ -92,7 +92,12 @@ class LLM:
             request_id = str(next(self._ids))
             params = with_eos(params, self.engine.eos_token_id, self.engine.runner.info.vocab_size)
             request = Request(
-                request_id, token_ids, params, priority=priority[i] if priority else 0, cache_salt=cache_salt, prompt=text
+                request_id,
+                token_ids,
+                params,
+                priority=priority[i] if priority else 0,
+                cache_salt=cache_salt,
+                prompt=text,
             )
             self.core.add_request(request)
             processor.add_request(request_id, text, token_ids, params, request.timings.arrival)

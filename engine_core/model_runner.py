@@ -172,7 +172,11 @@ class ModelRunner:
             if new.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprob_seqs.add(new.seq_id)
             self.batch.add(
-                new.seq_id, new.token_ids, new.num_prompt_tokens, new.block_ids, new.num_computed_tokens,
+                new.seq_id,
+                new.token_ids,
+                new.num_prompt_tokens,
+                new.block_ids,
+                new.num_computed_tokens,
                 new.sampling_params,
             )
             self.sampling.add(
@@ -211,9 +215,7 @@ class ModelRunner:
             decode_seq_lens=torch.from_numpy(seq_lens[:nd].astype(np.int32)).to(dev),
             decode_block_tables=tables(slice(0, nd)),
             max_decode_seq_len=int(seq_lens[:nd].max()) if nd else 0,
-            prefill_query_start_loc=torch.from_numpy(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)).to(
-                dev
-            ),
+            prefill_query_start_loc=torch.from_numpy(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)).to(dev),
             prefill_seq_lens=torch.from_numpy(seq_lens[nd:].astype(np.int32)).to(dev),
             prefill_block_tables=tables(slice(nd, None)),
             max_prefill_query_len=int(q_lens.max()) if len(q_lens) else 0,

@@ -60,7 +60,9 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return len(self.seqs) == self.sampling_params.n and all(s.is_finished for s in self.seqs)
+        # NOTE: no `len(seqs) == n` test: siblings only come from an unfinished parent's fork, so a parent that
+        # ends before forking (abort, error) ends the request; the old test kept such requests tracked forever.
+        return bool(self.seqs) and all(s.is_finished for s in self.seqs)
 
 
 @dataclass(eq=False)

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 # NOTE: temperatures below this are treated as greedy, as in vLLM: dividing logits by ~0 overflows.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    # NOTE: bool is an int subclass; True as n or as a token id is a caller bug, not a value.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -44,13 +55,16 @@ class SamplingParams:
         def bad(name: str, why: str) -> ValueError:
             return ValueError(f"{name} {why}")
 
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            if not _is_number(getattr(self, name)):
+                raise bad(name, f"must be a finite number, got {getattr(self, name)!r}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
@@ -60,31 +74,33 @@ class SamplingParams:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if not -2 <= self.presence_penalty <= 2:
             raise bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.stop is not None:
             if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
-                raise bad("stop", f"must be a string or a list of strings, got {type(self.stop).__name__}")
+                raise bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
             if any(s == "" for s in self.stop):
                 raise bad("stop", "must not contain an empty string")
-        if self.stop_token_ids is not None:
-            if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
-                raise bad("stop_token_ids", "must be a list of non-negative integers")
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, list | tuple) or not all(_is_int(t) and t >= 0 for t in ids)):
+            raise bad("stop_token_ids", f"must be a list of non-negative integers, got {ids!r}")
         if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias", f"must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
             for tok, bias in self.logit_bias.items():
-                if not isinstance(tok, int) or tok < 0:
+                if not _is_int(tok) or tok < 0:
                     raise bad("logit_bias", f"keys must be non-negative token ids, got {tok!r}")
-                if not -100 <= bias <= 100:
+                if not _is_number(bias) or not -100 <= bias <= 100:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
 
     def validate_vocab(self, vocab_size: int) -> None:

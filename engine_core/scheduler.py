@@ -58,6 +58,13 @@ class Scheduler:
                 f"prompt is {n_prompt} tokens long but max_model_len is {self.max_model_len}: "
                 "the prompt must be shorter than max_model_len to leave room for output"
             )
+        num_blocks = self.kv.pool.num_blocks
+        if -(-n_prompt // self.block_size) > num_blocks:
+            # NOTE: it could never be admitted, and strict FCFS would block every request behind it forever.
+            raise ValueError(
+                f"prompt is {n_prompt} tokens long but the KV cache holds only {num_blocks} blocks of "
+                f"{self.block_size} tokens ({num_blocks * self.block_size} tokens)"
+            )
         n = request.sampling_params.n
         if n > self.config.max_num_seqs:
             raise ValueError(f"n ({n}) must be <= max_num_seqs ({self.config.max_num_seqs})")
@@ -128,8 +135,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.pending_fork and seq.num_computed_tokens >= seq.target_tokens:
-                if not self._fork(seq, out, scheduled, new_blocks):
-                    continue  # the parent itself was preempted: the list shrank, retry this index
+                self._fork(seq, out, scheduled, new_blocks)
             num_new = min(seq.target_tokens - seq.num_computed_tokens, budget)
             ids = self.kv.allocate(seq, num_new) if num_new > 0 else []
             if ids is None:
@@ -152,10 +158,13 @@ class Scheduler:
 
     def _admit(self, budget: int, scheduled: dict[int, int], new_blocks: dict[int, list[int]]) -> int:
         self.waiting.sort(key=self._key)
+        # NOTE: a running parent that will fork holds the slots of its n - 1 future siblings too; counting only
+        # len(running) let other sequences take them, and the fork then overfilled the worker's batch.
+        used = sum(s.request.sampling_params.n if s.pending_fork else 1 for s in self.running)
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             slots = seq.request.sampling_params.n if seq.pending_fork else 1
-            if len(self.running) + slots > self.config.max_num_seqs:
+            if used + slots > self.config.max_num_seqs:
                 break
             prefix = self.kv.lookup_prefix(seq) if seq.num_computed_tokens == 0 else []
             computed = seq.num_computed_tokens + len(prefix) * self.block_size
@@ -164,6 +173,8 @@ class Scheduler:
             if ids is None:
                 break  # NOTE: strict FCFS/priority: a later, smaller request does not jump the queue
             self.waiting.pop(0)
+            self.kv.record_prefix_lookup(seq, prefix)
+            used += slots
             seq.num_computed_tokens = computed
             if seq.num_cached_tokens < 0:
                 seq.num_cached_tokens = min(computed, seq.num_prompt_tokens)
@@ -179,10 +190,13 @@ class Scheduler:
 
     def _fork(
         self, parent: Sequence, out: SchedulerOutput, scheduled: dict[int, int], new_blocks: dict[int, list[int]]
-    ) -> bool:
+    ) -> None:
         """Creates the n - 1 siblings of a parent whose shared prompt part is computed.
 
-        Returns False when the parent itself had to be preempted to find blocks for the copies.
+        Siblings that find no block for their copy of the partial block, even with every sequence after the parent
+        preempted, start as waiting sequences and recompute the prompt (from the prefix cache where they can).
+        NOTE: preempting the parent instead livelocked pools too small for the parent plus n - 1 copies: it came
+        back to the same fork and was preempted again, forever.
         """
         request = parent.request
         while True:
@@ -191,22 +205,23 @@ class Scheduler:
             if not needs_copy or self.kv.num_free_blocks >= request.sampling_params.n - 1:
                 break
             victim = max(self.running, key=self._key)
+            if victim is parent:
+                break
             scheduled.pop(victim.seq_id, None)  # never scheduled yet: victims sort after the parent
             new_blocks.pop(victim.seq_id, None)
             self._preempt(victim)
-            if victim is parent:
-                return False
         parent.pending_fork = False
         at = self.running.index(parent) + 1
         for index in range(1, request.sampling_params.n):
             child = self._new_seq(request, index, list(parent.token_ids))
-            child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            if not self.kv.fork(parent, child, out.copy_blocks):
+                self.waiting.append(child)
+                continue
+            child.num_computed_tokens = parent.num_computed_tokens
             child.status = SequenceStatus.RUNNING
-            self.kv.fork(parent, child, out.copy_blocks)
             self.running.insert(at, child)
             at += 1
-        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute preemption: drop the blocks, keep the tokens, requeue at the front of its class."""

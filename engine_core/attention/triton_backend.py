@@ -2,6 +2,10 @@
 
 Runs on CUDA tensors, and on CPU tensors through the Triton interpreter (slow, for tests and CPU-only machines;
 `kernels` switches the interpreter on by itself when no CUDA device is present).
+
+NOTE: the prefill kernel reads a chunk's own K/V back from the cache after `store_kv`, so every token of a prefill
+chunk needs a real slot; -1 slots are for padding only. Padding rows after the last chunk, and decode rows with
+seq_len 0, get zero outputs.
 """
 
 from __future__ import annotations

@@ -1,0 +1,172 @@
+"""The sampler: turns one step's logits into tokens (and logprobs), vectorised over rows with per-row parameters.
+
+Stage order follows vLLM V1: logprobs of the raw logits -> fp32 -> min_tokens and logit_bias -> penalties ->
+greedy argmax -> temperature -> min-p -> top-k/top-p -> random sampling by an exponential race. A stage runs only
+when some row needs it (its metadata field is not None).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_core.plan import LogprobsTensors
+from engine_core.sampling_batch import LogitBias, MinTokensState, PenaltyState, SamplingMetadata
+
+# Candidates searched for the top-p nucleus before falling back to the whole vocabulary (see apply_top_p).
+TOP_P_CANDIDATES = 256
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [rows] int64
+    logprobs: LogprobsTensors | None  # of the raw logits, k = the largest `logprobs` asked; None when none asked
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """Picks, from full [rows, vocab] logprobs, each row's `token_ids` entry, its rank and the top-k alternatives."""
+    token_ids = token_ids.to(torch.int64)
+    chosen = logprobs.gather(-1, token_ids.unsqueeze(-1))  # [rows, 1]
+    # NOTE: rank = 1 + the number of strictly more likely tokens, so a tie with the best token is rank 1.
+    ranks = (logprobs > chosen).sum(-1) + 1
+    if k > 0:
+        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+        ids = torch.cat([token_ids.unsqueeze(-1), top_ids], dim=-1)
+        values = torch.cat([chosen, top_logprobs], dim=-1)
+    else:
+        ids, values = token_ids.unsqueeze(-1), chosen
+    return LogprobsTensors(token_ids=ids, logprobs=values, ranks=ranks)
+
+
+def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """Logprobs (log_softmax in fp32 of the raw `logits`) of `token_ids` [rows] plus each row's top-k."""
+    return gather_logprobs(torch.log_softmax(logits.to(torch.float32), dim=-1), token_ids, k)
+
+
+# ---- stages (each takes and returns fp32 logits [rows, vocab]; may modify them in place) ----------------------------
+def apply_min_tokens(logits: torch.Tensor, state: MinTokensState, slots: torch.Tensor) -> torch.Tensor:
+    """Masks the stop tokens of rows whose output is still shorter than their min_tokens."""
+    active = state.output_lens[slots] < state.min_tokens  # [rows]
+    current = logits[state.pair_rows, state.pair_token_ids]
+    # NOTE: a where() over the pairs instead of boolean indexing: no device sync, the same kernels every step.
+    masked = torch.where(active[state.pair_rows], torch.full_like(current, float("-inf")), current)
+    logits[state.pair_rows, state.pair_token_ids] = masked
+    return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
+    logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
+    return logits
+
+
+def apply_penalties(logits: torch.Tensor, state: PenaltyState) -> torch.Tensor:
+    # NOTE: row gathers use indexing, not index_select, which is ~10x slower on CPU for int32 rows this wide.
+    counts = state.output_counts[state.rows]  # [rows, vocab] int32
+    if state.any_repetition:
+        seen = state.prompt_mask[state.rows] | (counts > 0)
+        rep = state.repetition.unsqueeze(1)
+        # HF semantics: a seen token's logit moves toward "less likely" whatever its sign.
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    if state.any_frequency:
+        logits = logits - state.frequency.unsqueeze(1) * counts
+    if state.any_presence:
+        logits = logits - state.presence.unsqueeze(1) * (counts > 0)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drops tokens less likely than min_p times the most likely token (after temperature)."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> torch.Tensor:
+    """top-k without a full sort: one topk(max_k), then each row's k-th value as its threshold (ties are kept)."""
+    top_values = logits.topk(max_top_k, dim=-1).values  # [rows, max_k] descending
+    disabled = top_k == 0
+    kth = top_values.gather(1, (top_k.clamp(min=1) - 1).unsqueeze(1))
+    kth = kth.masked_fill_(disabled.unsqueeze(1), float("-inf"))
+    return logits.masked_fill_(logits < kth, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keeps the smallest set of most likely tokens whose mass reaches p (the token crossing p included).
+
+    NOTE: the nucleus is found among the top `TOP_P_CANDIDATES` tokens (a partial top-k instead of a full sort of
+    the vocabulary, which costs ~20x more on CPU); only when some row's nucleus is wider than that is the search
+    redone over the whole vocabulary. Tokens tied with the last one kept are kept too.
+    """
+    vocab = logits.shape[-1]
+    enabled = (top_p < 1.0).unsqueeze(1)
+    log_total = torch.logsumexp(logits, dim=-1, keepdim=True)
+    for k in (min(TOP_P_CANDIDATES, vocab), vocab):
+        values = logits.topk(k, dim=-1).values  # [rows, k] descending
+        probs = torch.exp(values - log_total)
+        keep = (probs.cumsum(dim=-1) - probs) < top_p.unsqueeze(1)  # mass strictly before the token is below p
+        # NOTE: deciding on the fallback reads one bool back from the device, a sync only top-p batches pay.
+        if k == vocab or not bool((keep[:, -1:] & enabled).any()):
+            break
+    threshold = values.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+    threshold = threshold.masked_fill_(~enabled, float("-inf"))
+    return logits.masked_fill_(logits < threshold, float("-inf"))
+
+
+def random_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """argmax(probs / E) with E ~ Exp(1) i.i.d. draws a token with probability probs (the exponential race)."""
+    # NOTE: E = -log(U) from uniform draws rather than exponential_(), which is ~3x slower on CPU. E is clamped
+    # above 0 so that probs / E is never 0/0 = NaN, which argmax would pick (a masked token could win).
+    noise = torch.empty_like(probs)
+    if len(meta.generators) < meta.num_rows:
+        noise.uniform_(generator=meta.shared_generator)
+    # NOTE: one draw per seeded row with its own generator, so its noise never depends on its batch mates.
+    for row, seeded in meta.generators.items():
+        noise[row].uniform_(generator=seeded.next_generator())
+    noise.log_().neg_().clamp_min_(torch.finfo(noise.dtype).tiny)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        return self.forward(logits, meta)
+
+    def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw_logprobs = None
+        if meta.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        sampled = self.sample(logits, meta)
+        logprobs = None
+        if raw_logprobs is not None:
+            logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs or 0)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        needs_processing = meta.min_tokens is not None or meta.logit_bias is not None or meta.penalties is not None
+        if meta.all_greedy and not needs_processing:
+            return logits.argmax(dim=-1)
+        # NOTE: a private fp32 copy: the stages work in place and the caller's logits must stay untouched.
+        logits = logits.to(torch.float32, copy=True)
+        if meta.min_tokens is not None:
+            logits = apply_min_tokens(logits, meta.min_tokens, meta.slots)
+        if meta.logit_bias is not None:
+            logits = apply_logit_bias(logits, meta.logit_bias)
+        if meta.penalties is not None:
+            logits = apply_penalties(logits, meta.penalties)
+        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        if meta.all_greedy:
+            assert greedy is not None
+            return greedy
+        assert meta.temperature is not None
+        logits = logits.div_(meta.temperature.unsqueeze(1))
+        if meta.min_p is not None:
+            logits = apply_min_p(logits, meta.min_p)
+        if meta.top_k is not None:
+            logits = apply_top_k(logits, meta.top_k, meta.max_top_k)
+        if meta.top_p is not None:
+            logits = apply_top_p(logits, meta.top_p)
+        random = random_sample(torch.softmax(logits, dim=-1), meta)
+        if greedy is None:
+            return random
+        assert meta.is_greedy is not None
+        return torch.where(meta.is_greedy, greedy, random)
