@@ -87,21 +87,20 @@ class LLM:
             raise ValueError(f"got {len(prompt_list)} prompts but {len(priority)} priorities")
         processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
-        for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
-            text, token_ids = self._tokenize(prompt)
-            request_id = str(next(self._ids))
-            params = with_eos(params, self.engine.eos_token_id, self.engine.runner.info.vocab_size)
-            request = Request(
-                request_id,
-                token_ids,
-                params,
-                priority=priority[i] if priority else 0,
-                cache_salt=cache_salt,
-                prompt=text,
-            )
-            self.core.add_request(request)
-            processor.add_request(request_id, text, token_ids, params, request.timings.arrival)
-            order.append(request_id)
+        try:
+            for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
+                text, token_ids = self._tokenize(prompt)
+                request_id = str(next(self._ids))
+                params = with_eos(params, self.engine.eos_token_id, self.engine.runner.info.vocab_size)
+                prio = priority[i] if priority else 0
+                request = Request(request_id, token_ids, params, priority=prio, cache_salt=cache_salt, prompt=text)
+                self.core.add_request(request)
+                processor.add_request(request_id, text, token_ids, params, request.timings.arrival)
+                order.append(request_id)
+        except BaseException:
+            for request_id in order:  # a bad prompt rejects the whole call: nothing stays queued
+                self.core.abort(request_id)
+            raise
         return self._run(processor, order, use_tqdm)
 
     def chat(

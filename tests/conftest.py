@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# NOTE: triton's own library functions are decorated when triton is first imported (transformers may import it),
+# so the interpreter switch must be set before anything else on a machine without a GPU.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine_core.model_loader import load_tokenizer, resolve_model_dir
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from engine_core.model_loader import load_tokenizer, resolve_model_dir  # noqa: E402
 
 CACHE_DIR = os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda"))
 

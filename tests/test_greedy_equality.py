@@ -48,7 +48,7 @@ def hf_model(smollm2_dir: str) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def prompt_ids(smollm2_tokenizer) -> list[list[int]]:  # noqa: ANN001
+def prompt_ids(smollm2_tokenizer) -> list[list[int]]:
     ids = [list(smollm2_tokenizer.encode(p)) for p in PROMPTS]
     assert ids[1][: len(ids[0])] == ids[0], "prompt 0 must be a token prefix of prompt 1"
     assert max(len(i) for i in ids) > 3 * 16
@@ -67,7 +67,9 @@ def run(llm: LLM, prompt_ids: list[list[int]]) -> list[list[int]]:
 
 def assert_same(got: list[list[int]], want: list[list[int]]) -> None:
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert g == w, f"prompt {i} ({PROMPTS[i][:30]!r}) diverges at token {next(j for j in range(len(w)) if g[j] != w[j])}"
+        assert g == w, (
+            f"prompt {i} ({PROMPTS[i][:30]!r}) diverges at token {next(j for j in range(len(w)) if g[j] != w[j])}"
+        )
 
 
 def test_all_at_once(smollm2_dir: str, prompt_ids: list[list[int]], reference: list[list[int]]) -> None:

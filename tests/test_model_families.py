@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine_core import LLM, SamplingParams
 from engine_core.model_loader import load_tokenizer
@@ -60,3 +60,39 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LLM(str(tmp_path))
+
+
+def test_triton_backend_matches_torch_backend_and_transformers(tmp_path: Path, smollm2_dir: str) -> None:
+    """The whole model through the Triton kernels (interpreted on CPU) gives transformers' logits and tokens."""
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    model_dir = tmp_path / "llama"
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
+    load_tokenizer(smollm2_dir).save_pretrained(model_dir)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    prompts = [[5, 17, 300, 4000], list(range(100, 121)), [7]]  # lengths 4, 21 (two blocks), 1
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(model_dir), kv_cache_memory=0.01, attention_backend=backend, max_num_batched_tokens=16)
+        results[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for i, p in enumerate(prompts):
+        tri, tor = results["triton"][i].outputs[0], results["torch"][i].outputs[0]
+        assert tri.token_ids == tor.token_ids == hf_greedy(ref, p, 4)
+        with torch.no_grad():
+            want = torch.log_softmax(ref(input_ids=torch.tensor([p + tri.token_ids])).logits[0].float(), -1)
+        for j, tok in enumerate(tri.token_ids):
+            assert tri.logprobs is not None and tor.logprobs is not None
+            assert abs(tri.logprobs[j][tok].logprob - float(want[len(p) - 1 + j, tok])) < 1e-4
+            assert abs(tri.logprobs[j][tok].logprob - tor.logprobs[j][tok].logprob) < 1e-4

@@ -1,0 +1,109 @@
+"""The offline `LLM` API on the real model: parallel sampling, seeds, stop strings, chat, errors, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_core import LLM, SamplingParams
+from engine_core.request import Request
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir: str) -> LLM:
+    return LLM(smollm2_dir, kv_cache_memory=0.25)
+
+
+def assert_pool_whole(llm: LLM) -> None:
+    kv = llm.core.scheduler.kv
+    assert kv.num_free_blocks == kv.pool.num_blocks
+    assert not llm.core.scheduler.requests
+
+
+def test_parallel_sampling_shares_prompt_blocks(llm: LLM) -> None:
+    prompt = "Write a haiku about autumn leaves falling in a quiet park at dusk:"  # partial last block
+    n_prompt = len(llm.get_tokenizer().encode(prompt))
+    assert n_prompt % 16 != 0
+    params = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    scheduler = llm.core.scheduler
+    scheduler.add_request(Request("fork", llm.get_tokenizer().encode(prompt), _with_eos(llm, params)))
+    copies: list[tuple[int, int]] = []
+    for _ in range(8):  # prefill, then the fork step
+        plan = scheduler.schedule()
+        copies += plan.copy_blocks
+        llm.core.process(plan, llm.engine.runner.execute(plan))
+        if len(scheduler.requests["fork"].seqs) == 4:
+            break
+    seqs = scheduler.requests["fork"].seqs
+    tables = [scheduler.kv.tables[s.seq_id] for s in seqs]
+    full = (n_prompt - 1) // 16
+    for i in range(full):  # every full prompt block is one physical block shared four ways
+        assert len({id(t[i]) for t in tables}) == 1 and tables[0][i].ref_cnt == 4
+    assert len(copies) == 3  # the partial block was copied for three children, the parent kept its own
+    llm.core.abort("fork")
+    assert_pool_whole(llm)
+
+    outs = llm.generate(prompt, params, use_tqdm=False)[0].outputs
+    assert len(outs) == 4 and [o.index for o in outs] == [0, 1, 2, 3]
+    assert len({tuple(o.token_ids) for o in outs}) > 1  # the choices differ
+    again = llm.generate(prompt, params, use_tqdm=False)[0].outputs
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]  # and repeat with the seed
+    assert_pool_whole(llm)
+
+
+def _with_eos(llm: LLM, params: SamplingParams) -> SamplingParams:
+    from engine_core.llm import with_eos
+
+    return with_eos(params, llm.engine.eos_token_id, llm.engine.runner.info.vocab_size)
+
+
+def test_seeded_output_independent_of_batch_mates(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate("Tell me a story about a dragon.", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    mates = ["Hello!", "What is the capital of Italy? Answer in one word and then explain why.", "Count: 1, 2,"]
+    batch = llm.generate(
+        [*mates, "Tell me a story about a dragon."],
+        [SamplingParams(temperature=1.0, max_tokens=20)] * 3 + [seeded],
+        use_tqdm=False,
+    )
+    assert batch[-1].outputs[0].token_ids == alone
+    assert_pool_whole(llm)
+
+
+def test_stop_string_is_trimmed_and_frees_the_sequence(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = llm.generate("1, 2, 3, 4,", greedy, use_tqdm=False)[0].outputs[0].text
+    assert " 7," in full
+    stop = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[" 7,"])
+    out = llm.generate("1, 2, 3, 4,", stop, use_tqdm=False)[0].outputs[0]
+    assert out.text == full[: full.index(" 7,")]
+    assert out.finish_reason == "stop" and out.stop_reason == " 7,"
+    kept = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[" 7,"], include_stop_str_in_output=True)
+    assert llm.generate("1, 2, 3, 4,", kept, use_tqdm=False)[0].outputs[0].text == full[: full.index(" 7,") + 3]
+    assert_pool_whole(llm)
+
+
+def test_chat_uses_the_template_and_stops_at_eos(llm: LLM) -> None:
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32)
+    )
+    completion = out[0].outputs[0]
+    assert "Paris" in completion.text
+    assert completion.finish_reason == "stop"  # the model ends its turn with EOS
+    assert completion.token_ids[-1] == llm.engine.eos_token_id
+    assert "<|im_end|>" not in completion.text
+    assert_pool_whole(llm)
+
+
+def test_length_and_prompt_errors(llm: LLM) -> None:
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].finish_reason == "length" and len(out[0].outputs[0].token_ids) == 5
+    too_long = {"prompt_token_ids": [1] * llm.engine.runner.max_model_len}
+    with pytest.raises(ValueError, match=rf"{llm.engine.runner.max_model_len}.*max_model_len is"):
+        llm.generate(too_long, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        llm.generate({"prompt_token_ids": [10**9]}, use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    assert_pool_whole(llm)
