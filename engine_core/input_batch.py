@@ -95,8 +95,10 @@ class InputBatch:
         """Orders the step (decodes first) and computes every per-token input with numpy."""
         rows = np.fromiter((self.row_of[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
         sched = np.asarray(num_scheduled, dtype=np.int64)
-        # Stable partition: decode rows (one query token) first, prefill chunks after, each in scheduler order.
-        order = np.argsort(sched != 1, kind="stable")
+        # Decode rows (one query token) first, longest context first (the CPU backend pads per group of similar
+        # lengths); then prefill chunks in scheduler order.
+        is_prefill = sched != 1
+        order = np.lexsort((np.where(is_prefill, 0, -self.num_computed[rows]), is_prefill))
         rows, sched = rows[order], sched[order]
         seq_ids = [seq_ids[i] for i in order]
         computed = self.num_computed[rows].astype(np.int64)

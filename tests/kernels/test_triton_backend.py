@@ -39,6 +39,7 @@ def _run_batch(
     group: int,
     head_dim: int,
     dtype: torch.dtype,
+    backend_name: str = "triton",
 ) -> None:
     num_heads = num_kv_heads * group
     scale = head_dim**-0.5
@@ -97,8 +98,9 @@ def _run_batch(
         prefill_query_lens_cpu=qlens,
         prefill_seq_lens_cpu=[ctx + qlen for ctx, qlen in chunks],
     )
-    backend = create_backend("triton", num_heads, num_kv_heads, head_dim, block_size, scale)
-    assert isinstance(backend, TritonAttentionBackend) and backend.name == "triton"
+    backend = create_backend(backend_name, num_heads, num_kv_heads, head_dim, block_size, scale)
+    assert backend.name == backend_name
+    assert isinstance(backend, TritonAttentionBackend) == (backend_name == "triton")
     # q as a strided view into a wider buffer, the way a fused qkv projection hands it over.
     q_all = torch.cat(qs)
     q_view = torch.cat([q_all, q_all[:, :1]], dim=1)[:, :num_heads]
@@ -107,7 +109,7 @@ def _run_batch(
 
     assert out.shape == q_all.shape and out.dtype == dtype
     assert torch.equal(kv_cache, expected_cache), "new K/V not in their slots, or another slot was touched"
-    assert_close("triton_backend", out, torch.cat(expected), dtype)
+    assert_close(f"{backend_name}_backend", out, torch.cat(expected), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -131,3 +133,11 @@ def test_decodes_only_with_split_k() -> None:
 
 def test_prefills_only() -> None:
     _run_batch([], [(0, 40), (20, 9)], 2, 16, 2, 2, 64, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_backend_same_contract(dtype: torch.dtype) -> None:
+    """The CPU backend meets the same contract; 20 decode rows of mixed lengths exercise its length groups."""
+    torch.manual_seed(0)
+    decode_lens = torch.randint(1, 120, (20,)).tolist()
+    _run_batch(decode_lens, [(0, 5), (19, 32), (32, 1)], 2, 16, 2, 3, 64, dtype, backend_name="torch")
