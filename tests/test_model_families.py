@@ -96,3 +96,17 @@ def test_triton_backend_matches_torch_backend_and_transformers(tmp_path: Path, s
             assert tri.logprobs is not None and tor.logprobs is not None
             assert abs(tri.logprobs[j][tok].logprob - float(want[len(p) - 1 + j, tok])) < 1e-4
             assert abs(tri.logprobs[j][tok].logprob - tor.logprobs[j][tok].logprob) < 1e-4
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_dtypes_track_float32(dtype: str, tmp_path: Path, smollm2_dir: str) -> None:
+    model_dir = _tiny("qwen2", tmp_path / "qwen2", smollm2_dir)
+    params = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+    prompts = [{"prompt_token_ids": [3, 99, 1024, 7, 5000, 42]}, {"prompt_token_ids": list(range(200, 237))}]
+    want = LLM(str(model_dir), kv_cache_memory=0.05).generate(prompts, params, use_tqdm=False)
+    got = LLM(str(model_dir), kv_cache_memory=0.05, dtype=dtype).generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        (tok,) = w.outputs[0].token_ids
+        assert g.outputs[0].logprobs is not None and w.outputs[0].logprobs is not None
+        assert abs(g.outputs[0].logprobs[0][tok].logprob - w.outputs[0].logprobs[0][tok].logprob) < 0.1
