@@ -25,6 +25,12 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int, num_blocks: int) -> None:
         self.config = config
         self.executor = executor
+        capacity = num_blocks * config.block_size
+        if capacity < max_model_len:
+            # NOTE: a sequence longer than the whole cache could never be scheduled again after a preemption.
+            log.warning("max_model_len capped to the KV cache's capacity", max_model_len=max_model_len, tokens=capacity)
+            max_model_len = capacity
+        self.max_model_len = max_model_len
         self.scheduler = Scheduler(config, max_model_len, num_blocks)
 
     def add_request(self, request: Request) -> None:
