@@ -1,0 +1,1 @@
+"""Pagoda's gRPC services: frontend (tokenizer + API gateway), scheduler (EngineCore) and workers (ModelRunner)."""

@@ -1,0 +1,69 @@
+"""SamplingParams <-> SamplingOptions. Unset optional fields keep the engine's defaults."""
+
+from __future__ import annotations
+
+from engine_core.sampling_params import SamplingParams
+from services.rpc import common_pb2
+
+# Optional scalar fields that map 1:1 onto SamplingParams attributes.
+_SCALARS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "logprobs",
+    "prompt_logprobs",
+)
+
+
+def params_from_proto(opts: common_pb2.SamplingOptions, *, internal: bool = False) -> SamplingParams:
+    """Builds (and so validates) SamplingParams; a bad field raises ValueError starting with its name.
+
+    `internal` also takes `eos_token_id`, which only the frontend may set (from its tokenizer).
+    """
+    kwargs: dict[str, object] = {name: getattr(opts, name) for name in _SCALARS if opts.HasField(name)}
+    if opts.unlimited_max_tokens:
+        if opts.HasField("max_tokens"):
+            raise ValueError("max_tokens must be unset when unlimited_max_tokens is true")
+        kwargs["max_tokens"] = None
+    if opts.stop:
+        kwargs["stop"] = list(opts.stop)
+    if opts.stop_token_ids:
+        kwargs["stop_token_ids"] = list(opts.stop_token_ids)
+    if opts.logit_bias:
+        kwargs["logit_bias"] = dict(opts.logit_bias)
+    params = SamplingParams(**kwargs)  # type: ignore[arg-type]
+    if internal and opts.HasField("eos_token_id"):
+        params.eos_token_id = opts.eos_token_id
+    return params
+
+
+def params_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
+    """Every field, explicitly (the receiver must not depend on its own defaults)."""
+    opts = common_pb2.SamplingOptions()
+    for name in _SCALARS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(opts, name, value)
+    if params.max_tokens is None:
+        opts.unlimited_max_tokens = True
+    if params.stop:
+        opts.stop.extend(params.stop)
+    if params.stop_token_ids:
+        opts.stop_token_ids.extend(params.stop_token_ids)
+    if params.logit_bias:
+        for tok, bias in params.logit_bias.items():
+            opts.logit_bias[tok] = bias
+    if params.eos_token_id is not None:
+        opts.eos_token_id = params.eos_token_id
+    return opts

@@ -1,0 +1,117 @@
+"""The engine's per-step plan and the worker's results <-> Protobuf (worker.proto)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine_core.plan import (
+    CachedSequenceData,
+    LogprobsTensors,
+    ModelRunnerOutput,
+    NewSequenceData,
+    PromptLogprobs,
+    SchedulerOutput,
+)
+from engine_core.request import Request
+from services.common.timeutil import request_timestamps
+from services.convert.params import params_from_proto, params_to_proto
+from services.rpc import common_pb2, worker_pb2
+
+RequestLookup = Callable[[int], Request | None]
+
+
+def plan_to_proto(
+    plan: SchedulerOutput, *, epoch: str, step: int, request_of: RequestLookup
+) -> worker_pb2.ExecuteRequest:
+    msg = worker_pb2.ExecuteRequest(
+        epoch=epoch,
+        step=step,
+        scheduled_seq_ids=list(plan.num_scheduled_tokens),
+        num_scheduled_tokens=list(plan.num_scheduled_tokens.values()),
+        finished_seq_ids=plan.finished_seq_ids,
+        copy_src=[s for s, _ in plan.copy_blocks],
+        copy_dst=[d for _, d in plan.copy_blocks],
+    )
+    for new in plan.new_seqs:
+        seq = msg.new_seqs.add(
+            seq_id=new.seq_id,
+            token_ids=new.token_ids,
+            num_prompt_tokens=new.num_prompt_tokens,
+            sampling=params_to_proto(new.sampling_params),
+            block_ids=new.block_ids,
+            num_computed_tokens=new.num_computed_tokens,
+        )
+        if new.seed is not None:
+            seq.seed = new.seed
+        request = request_of(new.seq_id)
+        if request is not None:
+            seq.request_id = request.request_id
+            seq.trace.CopyFrom(common_pb2.TraceContext(**request.trace_context))
+            seq.timestamps.CopyFrom(request_timestamps(request))
+    for cached in plan.cached_seqs:
+        msg.cached_seqs.add(
+            seq_id=cached.seq_id, new_block_ids=cached.new_block_ids, num_computed_tokens=cached.num_computed_tokens
+        )
+    return msg
+
+
+def plan_from_proto(msg: worker_pb2.ExecuteRequest) -> SchedulerOutput:
+    plan = SchedulerOutput(
+        new_seqs=[
+            NewSequenceData(
+                seq_id=s.seq_id,
+                token_ids=list(s.token_ids),
+                num_prompt_tokens=s.num_prompt_tokens,
+                sampling_params=params_from_proto(s.sampling, internal=True),
+                seed=s.seed if s.HasField("seed") else None,
+                block_ids=list(s.block_ids),
+                num_computed_tokens=s.num_computed_tokens,
+            )
+            for s in msg.new_seqs
+        ],
+        cached_seqs=[
+            CachedSequenceData(c.seq_id, list(c.new_block_ids), c.num_computed_tokens) for c in msg.cached_seqs
+        ],
+        num_scheduled_tokens=dict(zip(msg.scheduled_seq_ids, msg.num_scheduled_tokens, strict=True)),
+        finished_seq_ids=list(msg.finished_seq_ids),
+        copy_blocks=list(zip(msg.copy_src, msg.copy_dst, strict=True)),
+    )
+    plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
+    return plan
+
+
+def _matrix_to_proto(t: LogprobsTensors, out: worker_pb2.LogprobsMatrix) -> None:
+    rows, cols = t.token_ids.shape
+    out.rows, out.cols = rows, cols
+    out.token_ids.extend(t.token_ids.reshape(-1).tolist())
+    out.logprobs.extend(t.logprobs.reshape(-1).tolist())
+    out.ranks.extend(t.ranks.reshape(-1).tolist())
+
+
+def _matrix_from_proto(m: worker_pb2.LogprobsMatrix) -> LogprobsTensors:
+    shape = (m.rows, m.cols)
+    return LogprobsTensors(
+        token_ids=torch.tensor(list(m.token_ids), dtype=torch.int64).reshape(shape),
+        logprobs=torch.tensor(list(m.logprobs), dtype=torch.float32).reshape(shape),
+        ranks=torch.tensor(list(m.ranks), dtype=torch.int64),
+    )
+
+
+def result_to_proto(out: ModelRunnerOutput) -> worker_pb2.ExecuteResponse:
+    msg = worker_pb2.ExecuteResponse(seq_ids=out.seq_ids, sampled_token_ids=out.sampled_token_ids)
+    if out.logprobs is not None:
+        _matrix_to_proto(out.logprobs, msg.logprobs)
+    for seq_id, plp in out.prompt_logprobs.items():
+        _matrix_to_proto(plp.tensors, msg.prompt_logprobs.add(seq_id=seq_id, start=plp.start).tensors)
+    return msg
+
+
+def result_from_proto(msg: worker_pb2.ExecuteResponse) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
+        seq_ids=list(msg.seq_ids),
+        sampled_token_ids=list(msg.sampled_token_ids),
+        logprobs=_matrix_from_proto(msg.logprobs) if msg.HasField("logprobs") else None,
+        prompt_logprobs={p.seq_id: PromptLogprobs(p.start, _matrix_from_proto(p.tensors)) for p in msg.prompt_logprobs},
+    )

@@ -1,0 +1,1 @@
+"""The frontend service: tokenizer, validation, detokenization and streaming; gRPC and OpenAI-compatible HTTP."""

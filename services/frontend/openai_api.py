@@ -1,0 +1,289 @@
+"""The OpenAI-compatible HTTP API (`/v1/models`, `/v1/completions`, `/v1/chat/completions`, SSE streaming).
+
+It runs in the frontend process, on the same event loop as the gRPC server, and uses the same request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+
+from services.common.trace import TraceContext
+from services.frontend.openai_convert import (
+    CompletionLogprobsBuilder,
+    chat_input,
+    chat_logprobs,
+    completion_inputs,
+    finish_fields,
+    usage_info,
+)
+from services.frontend.openai_protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+from services.frontend.pipeline import RequestPipeline
+from services.frontend.request import ErrorCode, FinalInfo, PreparedRequest, RequestError, StreamEvent, Usage
+
+HTTP_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.ALREADY_EXISTS: 409,
+    ErrorCode.RESOURCE_EXHAUSTED: 429,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def _error_body(e: RequestError) -> ErrorResponse:
+    kind = "invalid_request_error" if e.code is ErrorCode.INVALID_ARGUMENT else e.code.value.lower()
+    return ErrorResponse(error=ErrorDetail(message=e.message, type=kind, param=e.param, code=HTTP_STATUS[e.code]))
+
+
+def error_response(e: RequestError) -> JSONResponse:
+    return JSONResponse(_error_body(e).model_dump(), status_code=HTTP_STATUS[e.code])
+
+
+def _sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
+
+
+async def _merge(streams: list[AsyncIterator[StreamEvent]]) -> AsyncIterator[tuple[int, StreamEvent]]:
+    """Interleaves the streams of a batch of prompts; closing the merge closes (aborts) every stream."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[StreamEvent]) -> None:
+        try:
+            async for event in stream:
+                await queue.put((i, event))
+        except Exception as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+class OpenAIRoutes:
+    def __init__(self, pipeline: RequestPipeline, is_serving: Callable[[], bool]) -> None:
+        self.pipeline = pipeline
+        self.is_serving = is_serving
+
+    @property
+    def model_name(self) -> str:
+        return self.pipeline.model.name
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(
+                ErrorCode.NOT_FOUND, f"model {model!r} does not exist (serving {self.model_name!r})", "model"
+            )
+
+    async def health(self) -> Response:
+        return Response(status_code=200 if self.is_serving() else 503)
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.pipeline.model.max_model_len)])
+
+    # ---- /v1/completions -----------------------------------------------------------------------------------------
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        try:
+            self._check_model(body.model)
+            rid = body.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+            trace = TraceContext.from_metadata(request.headers.items())
+            prepared = [self.pipeline.prepare(i) for i in completion_inputs(body, trace, rid)]
+        except RequestError as e:
+            return error_response(e)
+        if body.stream:
+            return StreamingResponse(
+                self._completion_stream(body, f"cmpl-{rid}", prepared), media_type="text/event-stream"
+            )
+        try:
+            finals = await asyncio.gather(*(self._collect(p) for p in prepared))
+        except RequestError as e:
+            return error_response(e)
+        choices = []
+        for i, (p, final) in enumerate(zip(prepared, finals, strict=True)):
+            for c in final.output.outputs:
+                lp = CompletionLogprobsBuilder().build(c.logprobs) if body.logprobs is not None and c.logprobs else None
+                prefix = self._prompt_text(p) if body.echo else ""
+                choices.append(
+                    CompletionChoice(
+                        index=i * body.n + c.index,
+                        text=prefix + c.text,
+                        logprobs=lp,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        usage = usage_info([f.usage for f in finals])
+        return JSONResponse(
+            CompletionResponse(id=f"cmpl-{rid}", model=self.model_name, choices=choices, usage=usage).model_dump()
+        )
+
+    def _prompt_text(self, p: PreparedRequest) -> str:
+        return (
+            p.prompt_text if p.prompt_text is not None else self.pipeline.tokenizer.tokenizer.decode(p.prompt_token_ids)
+        )
+
+    async def _collect(self, prepared: PreparedRequest) -> FinalInfo:
+        async for event in self.pipeline.stream(prepared):
+            if event.final is not None:
+                if event.final.error:
+                    raise RequestError(ErrorCode.INTERNAL, event.final.error)
+                return event.final
+        raise RequestError(ErrorCode.INTERNAL, "the stream ended without a result")
+
+    async def _completion_stream(
+        self, body: CompletionRequest, cid: str, prepared: list[PreparedRequest]
+    ) -> AsyncIterator[str]:
+        n = body.n
+        builders: dict[int, CompletionLogprobsBuilder] = {}
+        usages: list[Usage] = []
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        try:
+            async for i, event in _merge([self.pipeline.stream(p) for p in prepared]):
+                choices = []
+                if body.echo and event.first:
+                    choices += [
+                        CompletionChoice(index=i * n + j, text=self._prompt_text(prepared[i])) for j in range(n)
+                    ]
+                for d in event.deltas:
+                    index = i * n + d.index
+                    lp = None
+                    if body.logprobs is not None and d.logprobs is not None:
+                        lp = builders.setdefault(index, CompletionLogprobsBuilder()).build(list(d.logprobs))
+                    reason, stop = finish_fields(d)
+                    choices.append(
+                        CompletionChoice(index=index, text=d.text, logprobs=lp, finish_reason=reason, stop_reason=stop)
+                    )
+                if event.final is not None:
+                    usages.append(event.final.usage)
+                    if event.final.error:
+                        raise RequestError(ErrorCode.INTERNAL, event.final.error)
+                if choices:
+                    yield _sse(CompletionResponse(id=cid, model=self.model_name, choices=choices))
+            if include_usage:
+                yield _sse(CompletionResponse(id=cid, model=self.model_name, choices=[], usage=usage_info(usages)))
+            yield "data: [DONE]\n\n"
+        except RequestError as e:
+            yield _sse(_error_body(e))
+
+    # ---- /v1/chat/completions ------------------------------------------------------------------------------------
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        try:
+            self._check_model(body.model)
+            rid = body.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
+            trace = TraceContext.from_metadata(request.headers.items())
+            prepared = self.pipeline.prepare(chat_input(body, trace, rid))
+        except RequestError as e:
+            return error_response(e)
+        cid = f"chatcmpl-{rid}"
+        top_k = body.top_logprobs or 0
+        if body.stream:
+            return StreamingResponse(self._chat_stream(body, cid, prepared, top_k), media_type="text/event-stream")
+        try:
+            final = await self._collect(prepared)
+        except RequestError as e:
+            return error_response(e)
+        choices = [
+            ChatChoice(
+                index=c.index,
+                message=ChatMessageOut(content=c.text),
+                logprobs=chat_logprobs(c.logprobs, top_k) if body.logprobs and c.logprobs is not None else None,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in final.output.outputs
+        ]
+        resp = ChatCompletionResponse(id=cid, model=self.model_name, choices=choices, usage=usage_info([final.usage]))
+        return JSONResponse(resp.model_dump())
+
+    async def _chat_stream(
+        self, body: ChatCompletionRequest, cid: str, prepared: PreparedRequest, top_k: int
+    ) -> AsyncIterator[str]:
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        usage: Usage | None = None
+        try:
+            async for event in self.pipeline.stream(prepared):
+                if event.first:
+                    role = ChatDelta(role="assistant", content="")
+                    first = [ChatChunkChoice(index=j, delta=role) for j in range(body.n)]
+                    yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=first))
+                choices = []
+                for d in event.deltas:
+                    lp = chat_logprobs(list(d.logprobs), top_k) if body.logprobs and d.logprobs is not None else None
+                    reason, stop = finish_fields(d)
+                    delta = ChatDelta(content=d.text)
+                    choices.append(
+                        ChatChunkChoice(index=d.index, delta=delta, logprobs=lp, finish_reason=reason, stop_reason=stop)
+                    )
+                if event.final is not None:
+                    usage = event.final.usage
+                    if event.final.error:
+                        raise RequestError(ErrorCode.INTERNAL, event.final.error)
+                if choices:
+                    yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=choices))
+            if include_usage and usage is not None:
+                yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[], usage=usage_info([usage])))
+            yield "data: [DONE]\n\n"
+        except RequestError as e:
+            yield _sse(_error_body(e))
+
+
+def create_app(pipeline: RequestPipeline, is_serving: Callable[[], bool]) -> FastAPI:
+    app = FastAPI(
+        title="Pagoda", description="OpenAI-compatible API of the Pagoda frontend", docs_url=None, redoc_url=None
+    )
+    routes = OpenAIRoutes(pipeline, is_serving)
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/v1/models", routes.models, methods=["GET"])
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
+
+    async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return error_response(RequestError.invalid(message, param))
+
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    return app

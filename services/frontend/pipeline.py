@@ -1,0 +1,195 @@
+"""The one request path of the frontend: validate, tokenize, submit to the scheduler, detokenize, stream.
+
+The gRPC `Generation` service and the OpenAI HTTP routes both turn their requests into a `GenerateInput` and
+consume `StreamEvent`s from here, so they validate, stop and count tokens identically. Detokenization and stop
+strings are engine_core's `OutputProcessor`, as in the offline `LLM`; a stop-string match is sent to the
+scheduler (`FinishChoice`) so the choice's blocks are freed there too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from engine_core.llm import with_eos
+from engine_core.output_processor import OutputProcessor, StopMatch
+from engine_core.outputs import RequestOutput
+from services.common.timeutil import now_ns
+from services.convert.outputs import seq_output_from_proto
+from services.convert.params import params_to_proto
+from services.frontend.request import (
+    ErrorCode,
+    FinalInfo,
+    GenerateInput,
+    ModelDescription,
+    PreparedRequest,
+    RequestError,
+    StreamEvent,
+    Timings,
+    Usage,
+)
+from services.frontend.scheduler_client import SchedulerClient, rpc_error
+from services.frontend.tokenization import PromptTokenizer
+from services.rpc import common_pb2, scheduler_pb2
+
+log = structlog.get_logger(__name__)
+
+MAX_REQUEST_ID_LEN = 256
+
+
+class RequestPipeline:
+    def __init__(
+        self, tokenizer: PromptTokenizer, client: SchedulerClient, model: ModelDescription, max_inflight: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.client = client
+        self.model = model
+        self.max_inflight = max_inflight
+        self.processor = OutputProcessor(tokenizer.tokenizer)
+        self.active: set[str] = set()
+        self.draining = False
+        self._background: set[asyncio.Task[None]] = set()
+
+    # ---- admission ----------------------------------------------------------------------------------------------
+    def prepare(self, inp: GenerateInput) -> PreparedRequest:
+        """Validates and tokenizes; raises RequestError before anything is sent to the scheduler."""
+        arrival_ns, arrival_mono = now_ns(), time.monotonic()
+        if self.draining:
+            raise RequestError(ErrorCode.UNAVAILABLE, "the frontend is shutting down: retry on another replica")
+        if len(self.active) >= self.max_inflight:
+            raise RequestError(
+                ErrorCode.RESOURCE_EXHAUSTED, f"too many requests in flight ({len(self.active)}): retry later"
+            )
+        request_id = inp.request_id or uuid.uuid4().hex
+        if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
+            raise RequestError.invalid(f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters")
+        if request_id in self.active:
+            raise RequestError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in use", "request_id")
+        text, ids = self.tokenizer.encode(inp.prompt)
+        try:
+            params = with_eos(inp.params, self.model.eos_token_id, self.model.vocab_size)
+        except ValueError as e:
+            raise RequestError.invalid(str(e)) from e
+        return PreparedRequest(
+            request_id=request_id,
+            prompt_text=text,
+            prompt_token_ids=ids,
+            params=params,
+            priority=inp.priority,
+            cache_salt=inp.cache_salt,
+            trace=inp.trace,
+            arrival_ns=arrival_ns,
+            arrival_monotonic=arrival_mono,
+        )
+
+    def _submit_message(self, req: PreparedRequest) -> scheduler_pb2.SubmitRequest:
+        return scheduler_pb2.SubmitRequest(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling=params_to_proto(req.params),
+            priority=req.priority,
+            cache_salt=req.cache_salt or "",
+            trace=req.trace.to_proto(),
+            timestamps=common_pb2.RequestTimestamps(arrival_ns=req.arrival_ns),
+        )
+
+    # ---- streaming ----------------------------------------------------------------------------------------------
+    async def stream(self, req: PreparedRequest) -> AsyncIterator[StreamEvent]:
+        """Streams one request. Closing the iterator early (client gone) cancels the scheduler stream, which
+        aborts the request there."""
+        rid = req.request_id
+        if rid in self.active:
+            raise RequestError(ErrorCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use", "request_id")
+        self.active.add(rid)
+        self.processor.add_request(rid, req.prompt_text, req.prompt_token_ids, req.params, req.arrival_monotonic)
+        output = self.processor.requests[rid].output
+        call = self.client.submit(self._submit_message(req), req.trace.metadata())
+        done = False
+        first = True
+        first_token_ns = scheduled_ns = 0
+        plp_sent = 0
+        error = ""
+        try:
+            async for msg in call:
+                step = self.processor.process([seq_output_from_proto(rid, o) for o in msg.outputs])
+                for stop in step.stops:
+                    self._finish_choice(stop, req)
+                scheduled_ns = msg.timestamps.scheduled_ns or scheduled_ns
+                error = msg.error or error
+                deltas = [d for u in step.updates for d in u.deltas]
+                if not first_token_ns and any(d.token_ids for d in deltas):
+                    first_token_ns = now_ns()
+                if msg.finished and not output.finished:
+                    # NOTE: cannot happen with a healthy scheduler (it reports every choice's end); never hang.
+                    self.processor.abort(rid)
+                event = StreamEvent(rid, deltas, first=first)
+                first = False
+                plp = output.prompt_logprobs
+                if (
+                    plp is not None
+                    and len(plp) > plp_sent
+                    and (len(plp) >= len(req.prompt_token_ids) or output.finished)
+                ):
+                    event.prompt_logprobs, event.prompt_logprobs_start = list(plp[plp_sent:]), plp_sent
+                    plp_sent = len(plp)
+                if output.finished:
+                    done = True
+                    event.final = self._final(req, output, scheduled_ns, first_token_ns, error)
+                if event.deltas or event.final is not None or event.prompt_logprobs or event.first:
+                    yield event
+                if done:
+                    return
+            raise RequestError(ErrorCode.INTERNAL, "the scheduler ended the stream before the request finished")
+        except grpc.aio.AioRpcError as e:
+            raise rpc_error(e) from e
+        finally:
+            self.active.discard(rid)
+            if not done:
+                self.processor.abort(rid)
+            # NOTE: a no-op after a normal end; otherwise (client gone, stop strings ended every choice) the
+            # cancellation reaches the scheduler as an abort.
+            call.cancel()
+
+    def _finish_choice(self, stop: StopMatch, req: PreparedRequest) -> None:
+        async def send() -> None:
+            try:
+                await self.client.finish_choice(stop.request_id, stop.index, stop.stop, req.trace.to_proto())
+            except grpc.aio.AioRpcError as e:
+                log.warning("FinishChoice failed", request_id=stop.request_id, error=e.details())
+
+        task = asyncio.ensure_future(send())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    def _final(
+        req: PreparedRequest, output: RequestOutput, scheduled_ns: int, first_token_ns: int, error: str
+    ) -> FinalInfo:
+        end = now_ns()
+
+        def since_arrival(t: int) -> float:
+            return max(0.0, (t - req.arrival_ns) / 1e9) if t else 0.0
+
+        usage = Usage(
+            prompt_tokens=len(req.prompt_token_ids),
+            completion_tokens=sum(len(c.token_ids) for c in output.outputs),
+            cached_tokens=output.num_cached_tokens,
+        )
+        timings = Timings(since_arrival(scheduled_ns), since_arrival(first_token_ns), since_arrival(end))
+        return FinalInfo(output, usage, timings, error)
+
+    async def generate(self, inp: GenerateInput) -> AsyncIterator[StreamEvent]:
+        async for event in self.stream(self.prepare(inp)):
+            yield event
+
+    async def abort(self, request_id: str) -> bool:
+        """Aborts a request of any frontend (the scheduler ends its stream with ABORT)."""
+        try:
+            return await self.client.abort(request_id)
+        except grpc.aio.AioRpcError as e:
+            raise rpc_error(e) from e

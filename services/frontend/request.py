@@ -1,0 +1,128 @@
+"""The frontend's typed request path, shared by the gRPC and the OpenAI HTTP APIs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine_core.output_processor import ChoiceDelta
+from engine_core.outputs import PositionLogprobs, RequestOutput
+from engine_core.sampling_params import SamplingParams
+from services.common.trace import TraceContext
+
+
+class ErrorCode(enum.Enum):
+    """gRPC status names; the HTTP API maps them to status codes."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    NOT_FOUND = "NOT_FOUND"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    CANCELLED = "CANCELLED"
+    INTERNAL = "INTERNAL"
+
+
+class RequestError(Exception):
+    """A request the frontend refuses or cannot complete; `param` names the offending field."""
+
+    def __init__(self, code: ErrorCode, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.param = param
+
+    @classmethod
+    def invalid(cls, message: str, param: str | None = None) -> RequestError:
+        return cls(ErrorCode.INVALID_ARGUMENT, message, param or message.split(" ", 1)[0].rstrip(":"))
+
+
+@dataclass
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass
+class PromptInput:
+    """Exactly one of text, token_ids or messages. `field` is how the API calls the input (for errors)."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True
+    field: str = "prompt"
+
+
+@dataclass
+class GenerateInput:
+    prompt: PromptInput
+    params: SamplingParams
+    request_id: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    trace: TraceContext = field(default_factory=TraceContext)
+
+
+@dataclass
+class PreparedRequest:
+    """Validated and tokenized: ready for the scheduler."""
+
+    request_id: str
+    prompt_text: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams  # with the model's eos_token_id
+    priority: int
+    cache_salt: str | None
+    trace: TraceContext
+    arrival_ns: int
+    arrival_monotonic: float
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class Timings:
+    queue_s: float
+    ttft_s: float
+    e2e_s: float
+
+
+@dataclass
+class FinalInfo:
+    output: RequestOutput  # cumulative: every choice's text, token ids, finish reason
+    usage: Usage
+    timings: Timings
+    error: str = ""
+
+
+@dataclass
+class StreamEvent:
+    request_id: str
+    deltas: list[ChoiceDelta]
+    # Prompt logprobs not sent before: positions [prompt_logprobs_start, prompt_logprobs_start + len).
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    prompt_logprobs_start: int = 0
+    final: FinalInfo | None = None
+    first: bool = False  # the first event of the stream
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    """The served model, as the scheduler (its workers) and the frontend's tokenizer describe it."""
+
+    name: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    eos_token_id: int | None
+    has_chat_template: bool

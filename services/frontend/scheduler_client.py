@@ -1,0 +1,59 @@
+"""The frontend's connection to the scheduler (one HTTP/2 channel; one stream per request)."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.grpc_opts import CHANNEL_OPTIONS
+from services.common.health import wait_serving_async
+from services.frontend.request import ErrorCode, RequestError
+from services.rpc import SCHEDULER_SERVICE, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+# gRPC status -> the frontend's error codes (the scheduler's message is passed on unchanged).
+_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT: ErrorCode.INVALID_ARGUMENT,
+    grpc.StatusCode.ALREADY_EXISTS: ErrorCode.ALREADY_EXISTS,
+    grpc.StatusCode.NOT_FOUND: ErrorCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ErrorCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE: ErrorCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: ErrorCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED: ErrorCode.CANCELLED,
+}
+
+
+def rpc_error(e: grpc.aio.AioRpcError) -> RequestError:
+    code = _CODES.get(e.code(), ErrorCode.INTERNAL)
+    details = e.details() or e.code().name
+    if code is ErrorCode.UNAVAILABLE:
+        details = f"scheduler unavailable: {details}"
+    return RequestError(code, details, details.split(" ", 1)[0] if code is ErrorCode.INVALID_ARGUMENT else None)
+
+
+class SchedulerClient:
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self.channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+
+    async def wait_ready(self, timeout: float) -> scheduler_pb2.InfoResponse:
+        await wait_serving_async(self.channel, SCHEDULER_SERVICE, timeout=timeout)
+        return await self.stub.Info(scheduler_pb2.InfoRequest(), timeout=10.0)
+
+    def submit(
+        self, request: scheduler_pb2.SubmitRequest, metadata: tuple[tuple[str, str], ...]
+    ) -> grpc.aio.UnaryStreamCall:
+        return self.stub.Submit(request, metadata=metadata or None)
+
+    async def abort(self, request_id: str) -> bool:
+        resp = await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=10.0)
+        return resp.found
+
+    async def finish_choice(self, request_id: str, index: int, stop: str, trace: common_pb2.TraceContext) -> None:
+        req = scheduler_pb2.FinishChoiceRequest(request_id=request_id, index=index, stop=stop, trace=trace)
+        await self.stub.FinishChoice(req, timeout=10.0)
+
+    async def stats(self) -> scheduler_pb2.StatsResponse:
+        return await self.stub.Stats(scheduler_pb2.StatsRequest(), timeout=10.0)
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,147 @@
+"""The frontend process: public gRPC (with reflection) and the OpenAI HTTP API on one event loop.
+
+Startup: gRPC listens at once (health NOT_SERVING, Generate UNAVAILABLE), the tokenizer loads, the scheduler is
+awaited; then the HTTP API starts and health turns SERVING. SIGTERM drains: NOT_SERVING, new requests refused
+(UNAVAILABLE / 503), streams in flight run to completion, then both servers stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Iterator
+
+import grpc
+import structlog
+import uvicorn
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine_core.model_loader import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
+from services.common.grpc_opts import SERVER_OPTIONS
+from services.common.health import HEALTH_SERVICE, SERVING, ServiceHealth
+from services.common.logs import configure_logging
+from services.common.signals import ignore_late_signals, shutdown_event
+from services.frontend.config import FrontendConfig, parse_frontend_args
+from services.frontend.grpc_api import GenerationServicer
+from services.frontend.openai_api import create_app
+from services.frontend.pipeline import RequestPipeline
+from services.frontend.request import ModelDescription
+from services.frontend.scheduler_client import SchedulerClient
+from services.frontend.tokenization import PromptTokenizer
+from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, generation_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+
+class _Uvicorn(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # NOTE: the frontend owns SIGTERM: it drains gRPC and HTTP together, then stops uvicorn itself.
+        yield
+
+
+async def _load_pipeline(config: FrontendConfig, client: SchedulerClient) -> RequestPipeline:
+    model_dir = await asyncio.to_thread(resolve_model_dir, config.model, config.cache_dir)
+    hf_tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer or model_dir)
+    info = await client.wait_ready(config.scheduler_timeout)
+    if info.model != model_name(config.model):
+        log.warning(
+            "the frontend's tokenizer model differs from the workers'",
+            frontend=model_name(config.model),
+            workers=info.model,
+        )
+    eos = hf_tokenizer.eos_token_id
+    if eos is None:
+        eos = next(iter(read_generation_eos(model_dir)), None)
+    tokenizer = PromptTokenizer(hf_tokenizer, info.vocab_size, info.max_model_len)
+    model = ModelDescription(
+        name=info.model,
+        architecture=info.architecture,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks,
+        eos_token_id=eos,
+        has_chat_template=tokenizer.has_chat_template,
+    )
+    return RequestPipeline(tokenizer, client, model, config.max_inflight)
+
+
+async def _watch_scheduler(client: SchedulerClient, health: ServiceHealth, pipeline: RequestPipeline) -> None:
+    """Mirrors the scheduler's health: a frontend without a scheduler must not attract traffic."""
+    stub = health_pb2_grpc.HealthStub(client.channel)
+    while not pipeline.draining:
+        try:
+            resp = await stub.Check(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=2.0)
+            up = resp.status == SERVING
+        except grpc.aio.AioRpcError:
+            up = False
+        if up != health.serving and not pipeline.draining:
+            log.warning("scheduler health changed", serving=up)
+            await health.set_serving(up)
+        await asyncio.sleep(1.0)
+
+
+async def serve(config: FrontendConfig) -> int:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    servicer = GenerationServicer()
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health = ServiceHealth(server, [GENERATION_SERVICE])
+    await health.set_serving(False)
+    reflection.enable_server_reflection([GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
+    grpc_port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    await server.start()
+    log.info("frontend gRPC listening", addr=f"{config.host}:{grpc_port}", scheduler=config.scheduler_addr)
+    stop = shutdown_event()
+    client = SchedulerClient(config.scheduler_addr)
+    loading = asyncio.ensure_future(_load_pipeline(config, client))
+    await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():
+        loading.cancel()
+        await server.stop(grace=1.0)
+        return 0
+    pipeline = loading.result()
+    servicer.pipeline = pipeline
+    http: _Uvicorn | None = None
+    http_task: asyncio.Future[None] | None = None
+    if config.http_port is not None:
+        app = create_app(pipeline, lambda: health.serving)
+        uv_config = uvicorn.Config(
+            app, host=config.host, port=config.http_port, log_level="warning", access_log=False, lifespan="off"
+        )
+        http = _Uvicorn(uv_config)
+        http_task = asyncio.ensure_future(http.serve())
+        while not http.started and not http_task.done():
+            await asyncio.sleep(0.02)
+        if http_task.done():
+            http_task.result()  # NOTE: the port was taken: fail loudly
+        log.info("frontend HTTP listening", addr=f"{config.host}:{config.http_port}")
+    await health.set_serving(True)
+    watcher = asyncio.ensure_future(_watch_scheduler(client, health, pipeline))
+    log.info("frontend ready", model=pipeline.model.name)
+    await stop.wait()
+
+    log.info("draining", in_flight=len(pipeline.active))
+    pipeline.draining = True
+    watcher.cancel()
+    await health.start_draining()
+    deadline = time.monotonic() + config.drain_timeout
+    while pipeline.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if http is not None and http_task is not None:
+        http.should_exit = True
+        await http_task
+    await server.stop(grace=2.0)
+    await client.close()
+    log.info("frontend stopped", unfinished=len(pipeline.active))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_logging("frontend")
+    config = parse_frontend_args(argv)
+    code = asyncio.run(serve(config))
+    ignore_late_signals()
+    return code

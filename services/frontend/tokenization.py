@@ -1,0 +1,68 @@
+"""Prompts -> token ids: plain text, chat messages (the model's chat template) or ids checked against the vocab."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from services.frontend.request import PromptInput, RequestError
+
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class PromptTokenizer:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, prompt: PromptInput, check_length: bool = True) -> tuple[str | None, list[int]]:
+        """(prompt text if known, token ids); RequestError(INVALID_ARGUMENT) naming the field when unusable."""
+        given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.messages)]
+        if sum(given) != 1:
+            raise RequestError.invalid(f"{prompt.field} is required (exactly one of text, token ids or messages)")
+        if prompt.text is not None:
+            text: str | None = prompt.text
+            ids = list(self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens))
+        elif prompt.token_ids is not None:
+            text, ids = None, list(prompt.token_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise RequestError.invalid(
+                    f"{prompt.field} contains ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}"
+                )
+        else:
+            text, ids = None, self.apply_chat_template(prompt)
+        if not ids:
+            raise RequestError.invalid(f"{prompt.field} must not be empty (it encodes to zero tokens)")
+        if check_length and len(ids) >= self.max_model_len:
+            raise RequestError.invalid(
+                f"{prompt.field} is {len(ids)} tokens long but max_model_len is {self.max_model_len}: "
+                "the prompt must be shorter than max_model_len to leave room for output"
+            )
+        return text, ids
+
+    def apply_chat_template(self, prompt: PromptInput) -> list[int]:
+        messages = prompt.messages or []
+        if not messages:
+            raise RequestError.invalid(f"{prompt.field} must contain at least one message")
+        for i, m in enumerate(messages):
+            if m.role not in _ROLES:
+                raise RequestError.invalid(f"{prompt.field}[{i}].role must be one of {_ROLES}, got {m.role!r}")
+        if not self.has_chat_template:
+            raise RequestError.invalid(f"{prompt.field}: the model has no chat template; send text or token ids")
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=prompt.add_generation_prompt, tokenize=True
+            )
+        except Exception as e:  # NOTE: jinja templates raise anything (e.g. "roles must alternate")
+            raise RequestError.invalid(f"{prompt.field}: the chat template rejected the messages: {e}") from e
+        # NOTE: same unwrapping as engine_core.LLM.apply_chat_template (a BatchEncoding in recent transformers).
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def tokens(self, ids: list[int]) -> list[str]:
+        return list(self.tokenizer.convert_ids_to_tokens(ids))

@@ -1,0 +1,161 @@
+"""Starts worker(s), scheduler and frontend as separate local processes and waits until all are healthy.
+
+Used by `pagoda serve` and by the service tests. Stopping drains in dependency order: frontend first (its streams
+finish), then the scheduler, then the workers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from services.common.health import NOT_SERVING, SERVING, check
+from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LaunchConfig:
+    model: str | None = None
+    dtype: str = "float32"
+    kv_cache_memory: float = 2.0
+    host: str = "0.0.0.0"  # the frontend's bind address; internal services bind to loopback
+    grpc_port: int = 50051
+    http_port: int = 8000
+    scheduler_port: int = 50052
+    worker_ports: list[int] = field(default_factory=lambda: [50053])
+    num_threads: int | None = None
+    max_num_seqs: int = 128
+    extra_worker_args: list[str] = field(default_factory=list)
+    extra_scheduler_args: list[str] = field(default_factory=list)
+    extra_frontend_args: list[str] = field(default_factory=list)
+    log_dir: str | None = None  # None: children log to this process's stderr
+
+
+@dataclass
+class Service:
+    name: str
+    addr: str
+    health_service: str
+    process: subprocess.Popen[bytes]
+    log: IO[bytes] | None
+    # Every distinct health status seen while waiting (None = unreachable), in order.
+    observed: list[int | None] = field(default_factory=list)
+
+
+class LocalCluster:
+    def __init__(self, config: LaunchConfig) -> None:
+        self.config = config
+        self.services: list[Service] = []
+
+    @property
+    def frontend_addr(self) -> str:
+        return f"127.0.0.1:{self.config.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.http_port}"
+
+    @property
+    def scheduler_addr(self) -> str:
+        return f"127.0.0.1:{self.config.scheduler_port}"
+
+    def _spawn(self, name: str, module: str, args: list[str], addr: str, health_service: str) -> Service:
+        log: IO[bytes] | None = None
+        if self.config.log_dir is not None:
+            Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
+            log = open(Path(self.config.log_dir) / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=log, env=env)
+        service = Service(name, addr, health_service, proc, log)
+        self.services.append(service)
+        return service
+
+    def start(self) -> None:
+        c = self.config
+        model = ["--model", c.model] if c.model else []
+        threads = ["--num-threads", str(c.num_threads)] if c.num_threads else []
+        for rank, port in enumerate(c.worker_ports):
+            args = ["--host", "127.0.0.1", "--worker-port", str(port), *model, "--dtype", c.dtype]
+            args += ["--kv-cache-memory", str(c.kv_cache_memory), "--max-num-seqs", str(c.max_num_seqs), *threads]
+            self._spawn(
+                f"worker{rank}", "services.worker", args + c.extra_worker_args, f"127.0.0.1:{port}", WORKER_SERVICE
+            )
+        workers = ",".join(f"127.0.0.1:{p}" for p in c.worker_ports)
+        args = ["--host", "127.0.0.1", "--scheduler-port", str(c.scheduler_port), "--worker-addrs", workers]
+        args += ["--max-num-seqs", str(c.max_num_seqs)]
+        self._spawn(
+            "scheduler", "services.scheduler", args + c.extra_scheduler_args, self.scheduler_addr, SCHEDULER_SERVICE
+        )
+        args = ["--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port)]
+        args += ["--scheduler-addr", self.scheduler_addr, *model]
+        self._spawn(
+            "frontend", "services.frontend", args + c.extra_frontend_args, self.frontend_addr, GENERATION_SERVICE
+        )
+
+    def wait_healthy(self, timeout: float = 600.0) -> None:
+        """Polls every service until all report SERVING; fails fast if one of them exits."""
+        deadline = time.monotonic() + timeout
+        pending = list(self.services)
+        while pending:
+            for service in list(pending):
+                code = service.process.poll()
+                if code is not None:
+                    raise RuntimeError(f"{service.name} exited with code {code} before becoming healthy")
+                status = check(service.addr, service.health_service, timeout=0.5)
+                if not service.observed or service.observed[-1] != status:
+                    service.observed.append(status)
+                if status == SERVING:
+                    pending.remove(service)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not healthy after {timeout:.0f} s: {[s.name for s in pending]}")
+            time.sleep(0.05)
+
+    def saw_not_serving_first(self, name: str) -> bool:
+        """True when `name` answered NOT_SERVING (while loading) before SERVING."""
+        seen = [s for s in self.service(name).observed if s is not None]
+        return bool(seen) and seen[0] == NOT_SERVING and seen[-1] == SERVING
+
+    def service(self, name: str) -> Service:
+        return next(s for s in self.services if s.name == name)
+
+    def stop(self, timeout: float = 60.0) -> dict[str, int | None]:
+        """SIGTERM in dependency order (each drains), SIGKILL after `timeout`; returns the exit codes."""
+        codes: dict[str, int | None] = {}
+        order = sorted(self.services, key=lambda s: {"frontend": 0, "scheduler": 1}.get(s.name, 2))
+        for service in order:
+            proc = service.process
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            codes[service.name] = proc.returncode
+            if service.log is not None:
+                service.log.close()
+        return codes
+
+    def addresses(self) -> dict[str, str]:
+        out = {"frontend (gRPC)": f"{self.config.host}:{self.config.grpc_port}"}
+        if self.config.http_port >= 0:
+            out["frontend (OpenAI HTTP)"] = f"http://{self.config.host}:{self.config.http_port}/v1"
+        out["scheduler"] = self.scheduler_addr
+        for s in self.services:
+            if s.name.startswith("worker"):
+                out[s.name] = s.addr
+        return out

@@ -1,0 +1,3 @@
+from services.scheduler.server import main
+
+raise SystemExit(main())

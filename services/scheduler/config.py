@@ -1,0 +1,57 @@
+"""Scheduler flags and environment -> a typed config."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from services.common.engine_flags import add_scheduler_engine_flags
+from services.common.flags import add_flag
+
+
+@dataclass
+class SchedulerConfig:
+    host: str
+    port: int
+    worker_addrs: list[str]  # rank order: rank 0 returns the samples
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    scheduling_policy: str
+    enable_prefix_caching: bool
+    num_kv_blocks: int | None
+    max_waiting_requests: int  # beyond this, Submit answers RESOURCE_EXHAUSTED
+    worker_timeout: float  # seconds to wait for the workers at start (and after a worker failure)
+    step_timeout: float  # seconds one Execute may take before the worker counts as failed
+    drain_timeout: float
+
+
+def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
+    p = argparse.ArgumentParser(prog="pagoda scheduler", description="Pagoda scheduler: continuous batching")
+    add_flag(p, "--host", default="0.0.0.0", help="address to bind")
+    add_flag(p, "--scheduler-port", default=50052, type=int, help="gRPC port (0 picks a free one)")
+    add_flag(p, "--worker-addrs", default="localhost:50053", help="comma-separated worker addresses, rank order")
+    add_scheduler_engine_flags(p)
+    add_flag(p, "--max-waiting-requests", default=1024, type=int, help="queued requests before RESOURCE_EXHAUSTED")
+    add_flag(p, "--worker-timeout", default=600.0, type=float, help="seconds to wait for workers to be ready")
+    add_flag(p, "--step-timeout", default=300.0, type=float, help="seconds one step may take")
+    add_flag(p, "--drain-timeout", default=60.0, type=float, help="seconds to finish in-flight requests on SIGTERM")
+    a = p.parse_args(argv)
+    workers = [w.strip() for w in a.worker_addrs.split(",") if w.strip()]
+    if not workers:
+        p.error("--worker-addrs must name at least one worker")
+    if a.scheduling_policy not in ("fcfs", "priority"):
+        p.error(f"--scheduling-policy must be fcfs or priority, got {a.scheduling_policy!r}")
+    return SchedulerConfig(
+        host=a.host,
+        port=a.scheduler_port,
+        worker_addrs=workers,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        scheduling_policy=a.scheduling_policy,
+        enable_prefix_caching=a.enable_prefix_caching,
+        num_kv_blocks=a.num_kv_blocks,
+        max_waiting_requests=a.max_waiting_requests,
+        worker_timeout=a.worker_timeout,
+        step_timeout=a.step_timeout,
+        drain_timeout=a.drain_timeout,
+    )

@@ -1,0 +1,108 @@
+"""engine_core's Executor over gRPC: the scheduler's side of the worker service.
+
+Every rank receives the same step (tensor-parallel ranks must run the same batch); only rank 0 is asked to return
+samples, the others acknowledge. A step fails as a whole if any rank fails.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import structlog
+
+from engine_core.plan import ModelRunnerOutput, SchedulerOutput
+from engine_core.request import Request
+from services.common.grpc_opts import CHANNEL_OPTIONS
+from services.common.health import wait_serving
+from services.convert.plan import plan_to_proto, result_from_proto
+from services.rpc import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerGroupInfo:
+    """What the workers agree on (checked at connect)."""
+
+    model: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    max_num_seqs: int
+    num_kv_blocks: int  # the minimum over the ranks
+
+
+class WorkerMismatchError(RuntimeError):
+    pass
+
+
+class RemoteExecutor:
+    def __init__(self, addrs: list[str], step_timeout: float) -> None:
+        self.addrs = addrs
+        self.step_timeout = step_timeout
+        self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addrs]
+        self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
+        self.epoch = ""
+        self.step = 0
+        self.request_of: Callable[[int], Request | None] = lambda _seq_id: None
+        self.last_worker_s = 0.0  # the worker's own time on the last step (the rest is transport)
+
+    def connect(self, timeout: float) -> WorkerGroupInfo:
+        """Waits for every rank to be SERVING and checks that they run the same model the same way."""
+        deadline = time.monotonic() + timeout
+        for addr in self.addrs:
+            wait_serving(addr, WORKER_SERVICE, timeout=max(1.0, deadline - time.monotonic()))
+        profiles = [stub.Profile(worker_pb2.ProfileRequest(), timeout=60.0) for stub in self._stubs]
+        first = profiles[0]
+        for addr, prof in zip(self.addrs, profiles, strict=True):
+            for name in ("model", "architecture", "vocab_size", "max_model_len", "block_size", "dtype"):
+                if getattr(prof, name) != getattr(first, name):
+                    raise WorkerMismatchError(
+                        f"worker {addr} has {name}={getattr(prof, name)!r}, rank 0 has {getattr(first, name)!r}"
+                    )
+        return WorkerGroupInfo(
+            model=first.model,
+            architecture=first.architecture,
+            vocab_size=first.vocab_size,
+            max_model_len=first.max_model_len,
+            block_size=first.block_size,
+            max_num_seqs=min(p.max_num_seqs for p in profiles),
+            num_kv_blocks=min(p.num_kv_blocks for p in profiles),
+        )
+
+    def init_cache(self, num_blocks: int) -> None:
+        """Allocates the cache on every rank under a fresh epoch (a restarted worker cannot run stale steps)."""
+        self.epoch = uuid.uuid4().hex
+        self.step = 0
+        world = len(self._stubs)
+        for rank, stub in enumerate(self._stubs):
+            req = worker_pb2.InitCacheRequest(num_blocks=num_blocks, rank=rank, world_size=world, epoch=self.epoch)
+            stub.InitCache(req, timeout=120.0)
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        req = plan_to_proto(plan, epoch=self.epoch, step=self.step, request_of=self.request_of)
+        self.step += 1
+        req.return_samples = True
+        if len(self._stubs) == 1:
+            resp = self._stubs[0].Execute(req, timeout=self.step_timeout)
+        else:
+            # NOTE: futures: the ranks run concurrently; the step is as slow as the slowest rank.
+            others = worker_pb2.ExecuteRequest()
+            others.CopyFrom(req)
+            others.return_samples = False
+            futures = [self._stubs[0].Execute.future(req, timeout=self.step_timeout)]
+            futures += [s.Execute.future(others, timeout=self.step_timeout) for s in self._stubs[1:]]
+            for f in futures[1:]:
+                f.result()
+            resp = futures[0].result()
+        self.last_worker_s = resp.execute_s
+        return result_from_proto(resp)
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()

@@ -1,0 +1,264 @@
+"""The scheduler process: the Scheduler gRPC service in front of the engine loop.
+
+It holds all request state (block tables, prefix cache, queues), so frontends are stateless: any number of them
+can submit here, and one that restarts only loses its own streams (their cancellation aborts their requests).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from engine_core.request import Request
+from services.common.grpc_opts import SERVER_OPTIONS
+from services.common.health import ServiceHealth
+from services.common.logs import configure_logging
+from services.common.signals import ignore_late_signals, shutdown_event
+from services.common.timeutil import now_ns
+from services.common.trace import TraceContext
+from services.convert.outputs import seq_output_to_proto
+from services.convert.params import params_from_proto
+from services.rpc import SCHEDULER_SERVICE, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.config import SchedulerConfig, parse_scheduler_args
+from services.scheduler.engine_loop import EngineLoop, RequestEvent
+
+log = structlog.get_logger(__name__)
+
+
+class _Stream:
+    """One Submit call: its outbox and the timestamps the frontend sent."""
+
+    def __init__(self, timestamps: common_pb2.RequestTimestamps, trace: common_pb2.TraceContext) -> None:
+        self.queue: asyncio.Queue[scheduler_pb2.SubmitResponse] = asyncio.Queue()
+        self.timestamps = timestamps
+        self.trace = trace
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, config: SchedulerConfig, health: ServiceHealth) -> None:
+        self.config = config
+        self.health = health
+        self.loop = asyncio.get_running_loop()
+        self.engine = EngineLoop(config, self._publish_threadsafe, self._on_ready_threadsafe)
+        self.streams: dict[str, _Stream] = {}
+        self.ready = False
+        self.draining = False
+        self.failed = asyncio.Event()
+        self._tasks: set[asyncio.Future[None]] = set()
+
+    # ---- engine thread -> event loop -------------------------------------------------------------------------
+    def _publish_threadsafe(self, events: list[RequestEvent]) -> None:
+        self.loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _on_ready_threadsafe(self, ready: bool) -> None:
+        self.loop.call_soon_threadsafe(self._set_ready, ready)
+
+    def _set_ready(self, ready: bool) -> None:
+        self.ready = ready
+        if self.engine.fatal is not None:
+            self.failed.set()
+        if not self.draining:
+            task = asyncio.ensure_future(self.health.set_serving(ready))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _dispatch(self, events: list[RequestEvent]) -> None:
+        for event in events:
+            stream = self.streams.get(event.request_id)
+            if stream is None:
+                continue  # the caller went away; its abort is already queued
+            ts = common_pb2.RequestTimestamps()
+            ts.CopyFrom(stream.timestamps)
+            ts.scheduled_ns, ts.first_token_ns, ts.finished_ns = (
+                event.scheduled_ns,
+                event.first_token_ns,
+                event.finished_ns,
+            )
+            msg = scheduler_pb2.SubmitResponse(
+                outputs=[seq_output_to_proto(o) for o in event.outputs],
+                finished=event.finished,
+                trace=stream.trace,
+                timestamps=ts,
+                error=event.error,
+            )
+            stream.queue.put_nowait(msg)
+
+    # ---- RPCs ---------------------------------------------------------------------------------------------------
+    async def _validate(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext) -> Request:
+        if self.draining or not self.ready or self.engine.info is None:
+            why = "draining" if self.draining else "not ready (workers loading)"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler is {why}")
+        info = self.engine.info
+        assert info is not None
+        rid = request.request_id
+        if not rid:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+        if rid in self.streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use")
+        if len(self.streams) >= self.config.max_num_seqs + self.config.max_waiting_requests:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"scheduler queue is full ({len(self.streams)} requests in flight): retry later",
+            )
+        n_prompt = len(request.prompt_token_ids)
+        if n_prompt == 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty")
+        if n_prompt >= info.max_model_len:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt is {n_prompt} tokens long but max_model_len is {info.max_model_len}",
+            )
+        capacity = self.engine.stats.total_blocks * info.block_size
+        if n_prompt > capacity:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt is {n_prompt} tokens long but the KV cache holds only {capacity} tokens",
+            )
+        try:
+            params = params_from_proto(request.sampling, internal=True)
+            params.validate_vocab(info.vocab_size)
+            if params.n > self.config.max_num_seqs:
+                raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < info.vocab_size]
+        if bad:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"prompt_token_ids contains ids outside the vocabulary (size {info.vocab_size}): {bad[:5]}",
+            )
+        return Request(
+            request_id=rid,
+            prompt_token_ids=list(request.prompt_token_ids),
+            sampling_params=params,
+            priority=request.priority,
+            cache_salt=request.cache_salt or None,
+            trace_context=TraceContext.from_proto(request.trace).as_dict(),
+        )
+
+    async def Submit(
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
+        engine_request = await self._validate(request, context)
+        rid = engine_request.request_id
+        ts = common_pb2.RequestTimestamps()
+        ts.CopyFrom(request.timestamps)
+        ts.queued_ns = now_ns()
+        stream = self.streams[rid] = _Stream(ts, request.trace)
+        self.engine.add(engine_request)
+        finished = False
+        try:
+            while not finished:
+                msg = await stream.queue.get()
+                finished = msg.finished
+                yield msg
+        finally:
+            self.streams.pop(rid, None)
+            if not finished:
+                # NOTE: the caller cancelled (or its frontend died): free the request's blocks now.
+                self.engine.abort(rid)
+
+    async def Abort(
+        self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> common_pb2.AbortResponse:
+        found = request.request_id in self.streams
+        if found:
+            self.engine.abort(request.request_id)
+        return common_pb2.AbortResponse(found=found)
+
+    async def FinishChoice(
+        self, request: scheduler_pb2.FinishChoiceRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.FinishChoiceResponse:
+        if request.request_id in self.streams:
+            self.engine.finish_choice(request.request_id, request.index, request.stop)
+        return scheduler_pb2.FinishChoiceResponse()
+
+    async def Stats(
+        self, request: scheduler_pb2.StatsRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.StatsResponse:
+        s = self.engine.stats
+        return scheduler_pb2.StatsResponse(
+            running=s.running,
+            waiting=s.waiting,
+            num_requests=s.num_requests,
+            free_blocks=s.free_blocks,
+            total_blocks=s.total_blocks,
+            kv_usage=s.kv_usage,
+            prefix_cache_hit_rate=s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            preemptions=s.preemptions,
+            steps=s.steps,
+            draining=self.draining,
+            step_seconds=s.step_seconds,
+            worker_seconds=s.worker_seconds,
+        )
+
+    async def Info(
+        self, request: scheduler_pb2.InfoRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.InfoResponse:
+        info = self.engine.info
+        if info is None or not self.ready:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is not ready (workers loading)")
+        assert info is not None
+        return scheduler_pb2.InfoResponse(
+            model=info.model,
+            architecture=info.architecture,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            block_size=info.block_size,
+            num_kv_blocks=self.engine.stats.total_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+            num_workers=len(self.config.worker_addrs),
+        )
+
+    async def drain(self, timeout: float) -> None:
+        """Stops admitting, lets every in-flight stream finish (up to `timeout`), then stops the engine."""
+        self.draining = True
+        await self.health.start_draining()
+        deadline = time.monotonic() + timeout
+        if self.streams:
+            log.info("draining", in_flight=len(self.streams))
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.streams:
+            log.warning("drain timed out: aborting", in_flight=len(self.streams))
+            for rid in list(self.streams):
+                self.engine.abort(rid)
+            await asyncio.sleep(0.5)
+        await asyncio.to_thread(self.engine.stop)
+
+
+async def serve(config: SchedulerConfig) -> int:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    health = ServiceHealth(server, [SCHEDULER_SERVICE])
+    await health.set_serving(False)
+    servicer = SchedulerServicer(config, health)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    log.info("scheduler listening", addr=f"{config.host}:{port}", workers=config.worker_addrs)
+    servicer.engine.start()
+    stop = shutdown_event()
+    failed = asyncio.ensure_future(servicer.failed.wait())
+    await asyncio.wait([asyncio.ensure_future(stop.wait()), failed], return_when=asyncio.FIRST_COMPLETED)
+    if failed.done():
+        log.error("engine failed", error=str(servicer.engine.fatal))
+        await server.stop(grace=1.0)
+        return 1
+    await servicer.drain(config.drain_timeout)
+    await server.stop(grace=2.0)
+    log.info("scheduler stopped")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_logging("scheduler")
+    config = parse_scheduler_args(argv)
+    code = asyncio.run(serve(config))
+    ignore_late_signals()
+    return code

@@ -1,0 +1,169 @@
+"""The worker process: a gRPC server around one ModelRunner.
+
+The server starts first (health NOT_SERVING), then loads the model in a thread, then reports SERVING. Steps run on
+a single dedicated thread, in order: the runner's persistent batch is only valid if no step is skipped, so a step
+out of sequence or for another cache epoch is refused with FAILED_PRECONDITION (the scheduler then re-initializes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import structlog
+
+from engine_core.model_loader import model_name, resolve_model_dir
+from engine_core.model_runner import ModelRunner
+from engine_core.plan import SchedulerOutput
+from services.common.grpc_opts import SERVER_OPTIONS
+from services.common.health import ServiceHealth
+from services.common.logs import configure_logging
+from services.common.signals import ignore_late_signals, shutdown_event
+from services.convert.plan import plan_from_proto, result_to_proto
+from services.rpc import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from services.worker.config import WorkerConfig, parse_worker_args
+
+log = structlog.get_logger(__name__)
+
+
+class StepError(Exception):
+    """A request the worker must refuse with FAILED_PRECONDITION."""
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.runner: ModelRunner | None = None
+        self.model_dir: str | None = None
+        self.epoch = ""
+        self.num_blocks = 0
+        self.rank = 0
+        self.next_step = 0
+        self.live: set[int] = set()  # sequences in the runner's persistent batch
+        self.last_step_at = time.monotonic()
+        # NOTE: one thread owns the runner: steps are strictly ordered and torch runs outside the event loop.
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+
+    def load(self) -> None:
+        engine = self.config.engine
+        self.model_dir = resolve_model_dir(engine.model, engine.cache_dir)
+        self.runner = ModelRunner(engine, self.model_dir)
+
+    async def Profile(
+        self, request: worker_pb2.ProfileRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ProfileResponse:
+        runner = self.runner
+        if runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        assert runner is not None
+        engine = self.config.engine
+        info = runner.info
+        return worker_pb2.ProfileResponse(
+            model=model_name(engine.model),
+            architecture=info.architecture,
+            vocab_size=info.vocab_size,
+            max_model_len=runner.max_model_len,
+            block_size=engine.block_size,
+            max_num_seqs=engine.max_num_seqs,
+            num_kv_blocks=runner.profile_num_blocks(),
+            block_bytes=info.block_bytes,
+            device=engine.device,
+            dtype=engine.dtype,
+        )
+
+    async def InitCache(
+        self, request: worker_pb2.InitCacheRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.InitCacheResponse:
+        if self.runner is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        if request.num_blocks < 2 or not request.epoch:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be >= 2 and epoch non-empty")
+        await asyncio.get_running_loop().run_in_executor(self.pool, self._init_cache, request)
+        log.info("KV cache ready", blocks=request.num_blocks, rank=request.rank, world_size=request.world_size)
+        return worker_pb2.InitCacheResponse()
+
+    def _init_cache(self, request: worker_pb2.InitCacheRequest) -> None:
+        runner = self.runner
+        assert runner is not None
+        if self.live:
+            # NOTE: a new scheduler (epoch) restarts sequence ids: forget every sequence of the previous one.
+            runner.execute(SchedulerOutput(finished_seq_ids=sorted(self.live)))
+            self.live.clear()
+        if request.num_blocks != self.num_blocks:
+            runner.init_kv_cache(request.num_blocks)
+            self.num_blocks = request.num_blocks
+        self.rank = request.rank
+        self.epoch = request.epoch
+        self.next_step = 0
+
+    async def Execute(
+        self, request: worker_pb2.ExecuteRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ExecuteResponse:
+        self.last_step_at = time.monotonic()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, self._execute, request)
+        except StepError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except Exception as e:
+            log.exception("step failed", step=request.step)
+            await context.abort(grpc.StatusCode.INTERNAL, f"step {request.step} failed: {e}")
+        finally:
+            self.last_step_at = time.monotonic()
+
+    def _execute(self, request: worker_pb2.ExecuteRequest) -> worker_pb2.ExecuteResponse:
+        t0 = time.perf_counter()
+        if self.runner is None or not self.epoch:
+            raise StepError("the KV cache is not initialized (call InitCache)")
+        if request.epoch != self.epoch:
+            raise StepError(f"cache epoch {request.epoch!r} is not this worker's ({self.epoch!r}): re-initialize")
+        if request.step != self.next_step:
+            raise StepError(f"expected step {self.next_step}, got {request.step}: re-initialize")
+        plan = plan_from_proto(request)
+        self.next_step += 1
+        try:
+            out = self.runner.execute(plan)
+        except Exception:
+            self.epoch = ""  # NOTE: the persistent batch may be half-updated: refuse steps until re-initialized
+            raise
+        self.live.difference_update(plan.finished_seq_ids)
+        self.live.update(s.seq_id for s in plan.new_seqs)
+        resp = result_to_proto(out) if request.return_samples else worker_pb2.ExecuteResponse()
+        resp.execute_s = time.perf_counter() - t0
+        return resp
+
+
+async def serve(config: WorkerConfig) -> None:
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    servicer = WorkerServicer(config)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health = ServiceHealth(server, [WORKER_SERVICE])
+    await health.set_serving(False)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    log.info("worker listening", addr=f"{config.host}:{port}")
+    stop = shutdown_event()
+    loading = asyncio.ensure_future(asyncio.get_running_loop().run_in_executor(servicer.pool, servicer.load))
+    await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if loading.done():
+        loading.result()  # NOTE: a failed load raises here and the process exits non-zero
+        await health.set_serving(True)
+        log.info("worker ready", model=model_name(config.engine.model))
+        await stop.wait()
+    log.info("draining: steps are served until the scheduler goes quiet")
+    await health.start_draining()
+    deadline = time.monotonic() + config.drain_timeout
+    while time.monotonic() < deadline and time.monotonic() - servicer.last_step_at < config.drain_idle:
+        await asyncio.sleep(0.1)
+    await server.stop(grace=1.0)
+    servicer.pool.shutdown(wait=False, cancel_futures=True)
+    log.info("worker stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_logging("worker")
+    config = parse_worker_args(argv)
+    asyncio.run(serve(config))
+    ignore_late_signals()
+    return 0

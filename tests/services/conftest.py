@@ -1,0 +1,70 @@
+"""One local cluster (worker, scheduler, frontend as real processes on loopback) for the whole test session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from engine_core import LLM
+from services.client import GenerationClient
+from services.launcher import LaunchConfig, LocalCluster, free_port
+from services.rpc import scheduler_pb2, scheduler_pb2_grpc
+
+KV_CACHE_GIB = 0.5
+
+
+@pytest.fixture(scope="session")
+def cluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    # NOTE: smollm2_dir first: the GGUF conversion is cached before three processes look for it at once.
+    log_dir = tmp_path_factory.mktemp("service-logs")
+    config = LaunchConfig(
+        dtype="float32",
+        kv_cache_memory=KV_CACHE_GIB,
+        host="127.0.0.1",
+        grpc_port=free_port(),
+        http_port=free_port(),
+        scheduler_port=free_port(),
+        worker_ports=[free_port()],
+        # NOTE: one torch thread: on a 2-core machine the worker's OpenMP team otherwise fights the scheduler,
+        # the frontend and this process for the cores, and spinning OpenMP threads slow every step several-fold.
+        num_threads=1,
+        max_num_seqs=64,
+        log_dir=str(log_dir),
+    )
+    c = LocalCluster(config)
+    c.start()
+    try:
+        c.wait_healthy(timeout=300)
+    except Exception:
+        c.stop(timeout=5)
+        for log in sorted(Path(log_dir).glob("*.log")):
+            print(f"---- {log.name}\n{log.read_text()[-4000:]}")
+        raise
+    yield c
+    codes = c.stop(timeout=60)
+    assert codes == {"frontend": 0, "scheduler": 0, "worker0": 0}, codes
+
+
+@pytest.fixture(scope="session")
+def client(cluster: LocalCluster) -> Iterator[GenerationClient]:
+    with GenerationClient(cluster.frontend_addr) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def scheduler_stats(cluster: LocalCluster) -> Iterator[scheduler_pb2_grpc.SchedulerStub]:
+    with grpc.insecure_channel(cluster.scheduler_addr) as channel:
+        yield scheduler_pb2_grpc.SchedulerStub(channel)
+
+
+def stats(stub: scheduler_pb2_grpc.SchedulerStub) -> scheduler_pb2.StatsResponse:
+    return stub.Stats(scheduler_pb2.StatsRequest(), timeout=5)
+
+
+@pytest.fixture(scope="session")
+def offline_llm(smollm2_dir: str) -> LLM:
+    """The in-process engine the services must reproduce (same dtype and cache budget)."""
+    return LLM(smollm2_dir, dtype="float32", kv_cache_memory=KV_CACHE_GIB)

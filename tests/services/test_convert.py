@@ -1,0 +1,96 @@
+"""Fast checks of the typed <-> Protobuf conversions and the config helpers (no processes, no model)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from engine_core.core_output import SeqOutput, TokenLogprobs
+from engine_core.plan import (
+    CachedSequenceData,
+    LogprobsTensors,
+    ModelRunnerOutput,
+    NewSequenceData,
+    PromptLogprobs,
+    SchedulerOutput,
+)
+from engine_core.request import FinishReason, Request
+from engine_core.sampling_params import SamplingParams
+from services.common.flags import add_flag, env_name
+from services.common.trace import TraceContext
+from services.convert.outputs import seq_output_from_proto, seq_output_to_proto
+from services.convert.params import params_from_proto, params_to_proto
+from services.convert.plan import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
+from services.rpc import common_pb2
+
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+
+
+def test_sampling_params_round_trip_keeps_every_field() -> None:
+    params = SamplingParams(
+        n=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.5,
+        presence_penalty=-0.5, logit_bias={3: -2.5}, seed=11, max_tokens=None, min_tokens=2, stop=["\n"],
+        stop_token_ids=[7], ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False,
+        logprobs=3, prompt_logprobs=1,
+    )  # fmt: skip
+    params.eos_token_id = 2
+    back = params_from_proto(params_to_proto(params), internal=True)
+    assert back == params and back.eos_token_id == 2
+
+
+def test_public_options_cannot_set_eos_and_keep_defaults() -> None:
+    back = params_from_proto(common_pb2.SamplingOptions(eos_token_id=9))
+    assert back == SamplingParams() and back.eos_token_id is None
+    with pytest.raises(ValueError, match=r"^temperature"):
+        params_from_proto(common_pb2.SamplingOptions(temperature=-1))
+
+
+def test_plan_and_result_round_trip() -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    plan = SchedulerOutput(
+        new_seqs=[NewSequenceData(3, [1, 2, 3], 3, params, None, [0, 1], 0)],
+        cached_seqs=[CachedSequenceData(1, [5], 17)],
+        num_scheduled_tokens={3: 3, 1: 1},
+        total_num_scheduled_tokens=4,
+        finished_seq_ids=[0],
+        copy_blocks=[(2, 6)],
+    )
+    request = Request("r", [1, 2, 3], params, trace_context={"traceparent": TRACEPARENT})
+    msg = plan_to_proto(plan, epoch="e", step=4, request_of=lambda _: request)
+    assert msg.new_seqs[0].trace.traceparent == TRACEPARENT and msg.new_seqs[0].request_id == "r"
+    assert plan_from_proto(msg) == plan
+    lps = LogprobsTensors(torch.tensor([[4, 4, 9]]), torch.tensor([[-0.1, -0.1, -2.0]]), torch.tensor([1]))
+    plp = PromptLogprobs(
+        1, LogprobsTensors(torch.tensor([[2], [3]]), torch.tensor([[-1.0], [-2.0]]), torch.tensor([3, 1]))
+    )
+    out = ModelRunnerOutput([3], [4], lps, {3: plp})
+    back = result_from_proto(result_to_proto(out))
+    assert back.seq_ids == [3] and back.sampled_token_ids == [4]
+    assert back.logprobs is not None and torch.equal(back.logprobs.token_ids, lps.token_ids)
+    assert torch.equal(back.prompt_logprobs[3].tensors.ranks, plp.tensors.ranks) and back.prompt_logprobs[3].start == 1
+
+
+def test_seq_output_round_trip() -> None:
+    out = SeqOutput("r", 1, [5], [TokenLogprobs([5, 6], [-0.5, -1.5], 1)], None, 0, FinishReason.STOP_STRING, "\n", 16)
+    assert seq_output_from_proto("r", seq_output_to_proto(out)) == out  # float32-exact values
+    out = SeqOutput("r", 0, [2], finish_reason=FinishReason.STOP_TOKEN, stop_reason=7)
+    assert seq_output_from_proto("r", seq_output_to_proto(out)) == out
+
+
+def test_trace_context_from_metadata() -> None:
+    ctx = TraceContext.from_metadata([("traceparent", TRACEPARENT), ("tracestate", "k=v"), ("other", "x")])
+    assert ctx.as_dict() == {"traceparent": TRACEPARENT, "tracestate": "k=v"}
+    assert TraceContext.from_metadata([("traceparent", "garbage")]).as_dict() == {}
+
+
+def test_flags_fall_back_to_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert env_name("--scheduler-addr") == "PAGODA_SCHEDULER_ADDR"
+    monkeypatch.setenv("PAGODA_SCHEDULER_ADDR", "sched:1")
+    monkeypatch.setenv("PAGODA_ENABLE_X", "false")
+    p = argparse.ArgumentParser()
+    add_flag(p, "--scheduler-addr", default="localhost:50052", help="")
+    add_flag(p, "--enable-x", default=True, type=bool, help="")
+    assert p.parse_args([]).scheduler_addr == "sched:1" and p.parse_args([]).enable_x is False
+    assert p.parse_args(["--scheduler-addr", "other:2"]).scheduler_addr == "other:2"
