@@ -81,6 +81,8 @@ class ModelRunner:
             model = cls(hf, backend, self.max_model_len)
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(dtype=self.dtype).eval()
+        if self.device.type == "cpu":
+            self.model.use_input_major_weights()
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
         log.info("model loaded", architecture=arch, dtype=config.dtype, seconds=round(time.perf_counter() - t0, 2))
         elt = torch.tensor([], dtype=self.dtype).element_size()

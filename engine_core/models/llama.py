@@ -56,11 +56,10 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x: [T, heads, D]."""
     cos, sin = cos_sin
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return x * cos + _rotate_half(x) * sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -89,10 +88,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, cos_sin)
-        out = self.backend.forward(q, k, v.view(t, self.num_kv_heads, self.head_dim), kv_cache, meta)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos_sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos_sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        out = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
@@ -134,6 +133,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, backend.head_dim, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self._lm_weight: torch.Tensor | None = None  # [in, out]-major copy of a tied LM head (CPU only)
         self.lm_head = (
             None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
@@ -158,8 +158,25 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.lm_head is not None:
+            weight = self.lm_head.weight
+        else:
+            weight = self.embed_tokens.weight if self._lm_weight is None else self._lm_weight
         return torch.nn.functional.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def use_input_major_weights(self) -> None:
+        """Stores every projection as [in, out] in memory (the [out, in] parameter becomes a transposed view).
+
+        NOTE: on this CPU, MKL's matrix-vector path streams an [in, out] weight ~1.3x faster (the 113 MB LM head
+        ~1.7x: 4.7 vs 8.0 ms), which is what batch-1 decode is bound by; larger batches are unaffected. The tied LM
+        head gets its own [in, out] copy, since the embedding lookup needs rows.
+        """
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+        if self.lm_head is None:
+            self._lm_weight = self.embed_tokens.weight.t().contiguous().t()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
