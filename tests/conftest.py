@@ -9,10 +9,10 @@ import os
 if not os.path.exists("/dev/nvidiactl"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
-from engine_core.model_loader import load_tokenizer, resolve_model_dir  # noqa: E402
+from engine_core.model_loader import load_tokenizer, resolve_model_dir
 
 CACHE_DIR = os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda"))
 
@@ -26,5 +26,5 @@ def smollm2_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_dir: str):  # noqa: ANN201 - a transformers tokenizer
+def smollm2_tokenizer(smollm2_dir: str):
     return load_tokenizer(smollm2_dir)
