@@ -84,13 +84,6 @@ class InputBatch:
         self.block_table[row, start : start + len(block_ids)] = block_ids
         self.num_blocks[row] = start + len(block_ids)
 
-    def check_computed(self, seq_id: int, num_computed: int) -> None:
-        row = self.row_of[seq_id]
-        if self.num_computed[row] != num_computed:
-            raise RuntimeError(
-                f"sequence {seq_id}: scheduler says {num_computed} tokens computed, worker has {self.num_computed[row]}"
-            )
-
     def prepare(self, seq_ids: list[int], num_scheduled: list[int]) -> StepInputs:
         """Orders the step (decodes first) and computes every per-token input with numpy."""
         rows = np.fromiter((self.row_of[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))

@@ -16,7 +16,7 @@ from engine_core.engine import EngineCore
 from engine_core.model_loader import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
 from engine_core.model_runner import ModelRunner
 from engine_core.output_processor import OutputProcessor
-from engine_core.outputs import RequestOutput
+from engine_core.outputs import RequestMetrics, RequestOutput
 from engine_core.request import FinishReason, Request
 from engine_core.sampling_params import SamplingParams
 
@@ -86,7 +86,7 @@ class LLM:
         if priority is not None and len(priority) != len(prompt_list):
             raise ValueError(f"got {len(prompt_list)} prompts but {len(priority)} priorities")
         processor = OutputProcessor(self.tokenizer)
-        order: list[str] = []
+        order: list[Request] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
                 text, token_ids = self._tokenize(prompt)
@@ -96,10 +96,10 @@ class LLM:
                 request = Request(request_id, token_ids, params, priority=prio, cache_salt=cache_salt, prompt=text)
                 self.core.add_request(request)
                 processor.add_request(request_id, text, token_ids, params, request.timings.arrival)
-                order.append(request_id)
+                order.append(request)
         except BaseException:
-            for request_id in order:  # a bad prompt rejects the whole call: nothing stays queued
-                self.core.abort(request_id)
+            for queued in order:  # a bad prompt rejects the whole call: nothing stays queued
+                self.core.abort(queued.request_id)
             raise
         return self._run(processor, order, use_tqdm)
 
@@ -134,7 +134,7 @@ class LLM:
             return prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))
         raise TypeError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [int, ...]}")
 
-    def _run(self, processor: OutputProcessor, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, processor: OutputProcessor, order: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Processed prompts", disable=not use_tqdm)
         try:
@@ -147,10 +147,15 @@ class LLM:
                         finished[update.output.request_id] = update.output
                         bar.update(1)
         except BaseException:
-            for request_id in order:
-                if request_id not in finished:
-                    self.core.abort(request_id)
+            for request in order:
+                if request.request_id not in finished:
+                    self.core.abort(request.request_id)
             raise
         finally:
             bar.close()
-        return [finished[r] for r in order]
+        outputs = [finished[r.request_id] for r in order]
+        for request, output in zip(order, outputs, strict=True):
+            # The core's own clock: scheduling and first-token times as the scheduler saw them.
+            t = request.timings
+            output.metrics = RequestMetrics(t.arrival, t.first_scheduled, t.first_token, t.finished)
+        return outputs

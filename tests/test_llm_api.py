@@ -107,3 +107,12 @@ def test_length_and_prompt_errors(llm: LLM) -> None:
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     assert_pool_whole(llm)
+
+
+def test_outputs_carry_timings(llm: LLM) -> None:
+    out = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    m = out.metrics
+    assert m is not None and m.first_scheduled_time is not None and m.first_token_time is not None
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= (m.finished_time or 0)
+    assert m.time_in_queue is not None and m.time_in_queue >= 0
+    assert m.e2e_latency is not None and m.e2e_latency >= (m.time_to_first_token or 0) > 0
