@@ -27,8 +27,13 @@ def _tiny(kind: str, path: Path, smollm2_dir: str) -> Path:
         initializer_range=0.2,  # peaky logits: argmax is not decided by rounding noise
         tie_word_embeddings=False,
     )
-    config = Qwen2Config(**common) if kind == "qwen2" else MistralConfig(**common, sliding_window=None)
-    config.architectures = ["Qwen2ForCausalLM" if kind == "qwen2" else "MistralForCausalLM"]
+    configs = {
+        "qwen2": lambda: Qwen2Config(**common),
+        "mistral": lambda: MistralConfig(**common, sliding_window=None),
+        "llama": lambda: LlamaConfig(**common),
+    }
+    config = configs[kind]()
+    config.architectures = [{"qwen2": "Qwen2", "mistral": "Mistral", "llama": "Llama"}[kind] + "ForCausalLM"]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if kind == "qwen2":  # random Q/K/V biases, so a missing bias would show
@@ -64,22 +69,7 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
 
 def test_triton_backend_matches_torch_backend_and_transformers(tmp_path: Path, smollm2_dir: str) -> None:
     """The whole model through the Triton kernels (interpreted on CPU) gives transformers' logits and tokens."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=256,
-        initializer_range=0.2,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    model_dir = tmp_path / "llama"
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
-    load_tokenizer(smollm2_dir).save_pretrained(model_dir)
+    model_dir = _tiny("llama", tmp_path / "llama", smollm2_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prompts = [[5, 17, 300, 4000], list(range(100, 121)), [7]]  # lengths 4, 21 (two blocks), 1
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
