@@ -30,7 +30,7 @@ class SeqOutput:
     num_cached_tokens: int = 0
 
 
-def tensor_rows(tensors: LogprobsTensors, rows: list[int], k: int) -> list[TokenLogprobs]:
+def tensor_rows(tensors: LogprobsTensors, rows: list[int] | slice, k: int) -> list[TokenLogprobs]:
     """Slices rows (and the first 1 + k columns) out of logprob tensors into Python values."""
     ids = tensors.token_ids[rows, : k + 1].tolist()
     lps = tensors.logprobs[rows, : k + 1].tolist()

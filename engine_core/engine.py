@@ -68,12 +68,11 @@ class EngineCore:
             if seq is None:
                 continue
             k = seq.request.sampling_params.prompt_logprobs or 0
-            rows = list(range(plp.tensors.token_ids.shape[0]))
             outputs[seq_id] = SeqOutput(
                 seq.request.request_id,
                 seq.index,
                 [],
-                prompt_logprobs=tensor_rows(plp.tensors, rows, k),
+                prompt_logprobs=tensor_rows(plp.tensors, slice(None), k),
                 prompt_logprobs_start=plp.start,
                 num_cached_tokens=max(seq.num_cached_tokens, 0),
             )

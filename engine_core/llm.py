@@ -17,6 +17,7 @@ from engine_core.model_loader import load_tokenizer, model_name, read_generation
 from engine_core.model_runner import ModelRunner
 from engine_core.output_processor import OutputProcessor
 from engine_core.outputs import RequestMetrics, RequestOutput
+from engine_core.prompt_checks import apply_chat_template, check_token_ids
 from engine_core.request import FinishReason, Request
 from engine_core.sampling_params import SamplingParams
 
@@ -117,18 +118,14 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, list(self.tokenizer.encode(prompt))
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = [int(t) for t in prompt["prompt_token_ids"]]
-            vocab = self.engine.runner.info.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise ValueError(f"prompt_token_ids contains ids outside the vocabulary (size {vocab}): {bad[:5]}")
+            check_token_ids(ids, self.engine.runner.info.vocab_size)
             return prompt.get("prompt"), ids
         if isinstance(prompt, dict) and "prompt" in prompt:
             return prompt["prompt"], list(self.tokenizer.encode(prompt["prompt"]))

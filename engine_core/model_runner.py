@@ -137,7 +137,7 @@ class ModelRunner:
         if plan.is_empty:
             return ModelRunnerOutput()
         seq_ids = list(plan.num_scheduled_tokens)
-        inputs = self.batch.prepare(seq_ids, [plan.num_scheduled_tokens[s] for s in seq_ids])
+        inputs = self.batch.prepare(seq_ids, list(plan.num_scheduled_tokens.values()))
         meta = self._attention_metadata(inputs)
         self.backend.prepare(meta)
         hidden = self.model(
@@ -212,7 +212,6 @@ class ModelRunner:
         return AttentionMetadata(
             num_decodes=nd,
             num_prefills=len(rows) - nd,
-            num_decode_tokens=nd,
             slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
             decode_seq_lens=torch.from_numpy(seq_lens[:nd].astype(np.int32)).to(dev),
             decode_block_tables=tables(slice(0, nd)),
@@ -221,7 +220,6 @@ class ModelRunner:
             prefill_seq_lens=torch.from_numpy(seq_lens[nd:].astype(np.int32)).to(dev),
             prefill_block_tables=tables(slice(nd, None)),
             max_prefill_query_len=int(q_lens.max()) if len(q_lens) else 0,
-            max_prefill_seq_len=int(seq_lens[nd:].max()) if len(q_lens) else 0,
             prefill_query_lens_cpu=q_lens.tolist(),
             prefill_seq_lens_cpu=seq_lens[nd:].tolist(),
         )

@@ -49,10 +49,10 @@ class Scheduler:
         self._key = key
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        n_prompt = request.num_prompt_tokens
+    def check_request(self, n_prompt: int, n: int) -> None:
+        """Raises ValueError if a request could never run here. Reads only fixed limits: safe from any thread."""
         if n_prompt == 0:
-            raise ValueError("prompt must contain at least one token")
+            raise ValueError("prompt_token_ids must contain at least one token")
         if n_prompt >= self.max_model_len:
             raise ValueError(
                 f"prompt is {n_prompt} tokens long but max_model_len is {self.max_model_len}: "
@@ -65,9 +65,12 @@ class Scheduler:
                 f"prompt is {n_prompt} tokens long but the KV cache holds only {num_blocks} blocks of "
                 f"{self.block_size} tokens ({num_blocks * self.block_size} tokens)"
             )
-        n = request.sampling_params.n
         if n > self.config.max_num_seqs:
             raise ValueError(f"n ({n}) must be <= max_num_seqs ({self.config.max_num_seqs})")
+
+    def add_request(self, request: Request) -> None:
+        n_prompt, n = request.num_prompt_tokens, request.sampling_params.n
+        self.check_request(n_prompt, n)
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         request.arrival_index = next(self._arrivals)

@@ -19,7 +19,6 @@ import torch
 class AttentionMetadata:
     num_decodes: int
     num_prefills: int
-    num_decode_tokens: int  # == num_decodes
     slot_mapping: torch.Tensor  # [num_tokens] int64
     # Decode part (rows 0..num_decodes-1)
     decode_seq_lens: torch.Tensor  # [num_decodes] int32, context length including the new token
@@ -30,7 +29,6 @@ class AttentionMetadata:
     prefill_seq_lens: torch.Tensor  # [num_prefills] int32, context length after this chunk
     prefill_block_tables: torch.Tensor  # [num_prefills, max_blocks] int32
     max_prefill_query_len: int
-    max_prefill_seq_len: int
     # Host copies for backends that loop over prefill chunks on the CPU.
     prefill_query_lens_cpu: list[int]
     prefill_seq_lens_cpu: list[int]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from engine_core.prompt_checks import apply_chat_template, check_token_ids
 from services.frontend.request import PromptInput, RequestError
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
@@ -29,11 +30,10 @@ class PromptTokenizer:
             ids = list(self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens))
         elif prompt.token_ids is not None:
             text, ids = None, list(prompt.token_ids)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise RequestError.invalid(
-                    f"{prompt.field} contains ids outside the vocabulary (size {self.vocab_size}): {bad[:5]}"
-                )
+            try:
+                check_token_ids(ids, self.vocab_size, prompt.field)
+            except ValueError as e:
+                raise RequestError.invalid(str(e)) from e
         else:
             text, ids = None, self.apply_chat_template(prompt)
         if not ids:
@@ -56,13 +56,9 @@ class PromptTokenizer:
             raise RequestError.invalid(f"{prompt.field}: the model has no chat template; send text or token ids")
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:
-            ids = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=prompt.add_generation_prompt, tokenize=True
-            )
+            return apply_chat_template(self.tokenizer, conversation, prompt.add_generation_prompt)
         except Exception as e:  # NOTE: jinja templates raise anything (e.g. "roles must alternate")
             raise RequestError.invalid(f"{prompt.field}: the chat template rejected the messages: {e}") from e
-        # NOTE: same unwrapping as engine_core.LLM.apply_chat_template (a BatchEncoding in recent transformers).
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def tokens(self, ids: list[int]) -> list[str]:
         return list(self.tokenizer.convert_ids_to_tokens(ids))

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 
+from engine_core.prompt_checks import check_token_ids
 from engine_core.request import Request
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
@@ -104,33 +105,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"scheduler queue is full ({len(self.streams)} requests in flight): retry later",
             )
-        n_prompt = len(request.prompt_token_ids)
-        if n_prompt == 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids must not be empty")
-        if n_prompt >= info.max_model_len:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt is {n_prompt} tokens long but max_model_len is {info.max_model_len}",
-            )
-        capacity = self.engine.stats.total_blocks * info.block_size
-        if n_prompt > capacity:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt is {n_prompt} tokens long but the KV cache holds only {capacity} tokens",
-            )
+        core = self.engine.core
+        if core is None:  # stopped between the readiness check and here
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is stopping")
+        assert core is not None
         try:
             params = params_from_proto(request.sampling, internal=True)
             params.validate_vocab(info.vocab_size)
-            if params.n > self.config.max_num_seqs:
-                raise ValueError(f"n ({params.n}) must be <= max_num_seqs ({self.config.max_num_seqs})")
+            check_token_ids(request.prompt_token_ids, info.vocab_size)
+            # NOTE: the engine's own admission limits (read-only, so safe from this thread), checked here so a bad
+            # request fails its RPC instead of failing later on the engine thread.
+            core.scheduler.check_request(len(request.prompt_token_ids), params.n)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < info.vocab_size]
-        if bad:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"prompt_token_ids contains ids outside the vocabulary (size {info.vocab_size}): {bad[:5]}",
-            )
         return Request(
             request_id=rid,
             prompt_token_ids=list(request.prompt_token_ids),

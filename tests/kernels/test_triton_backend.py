@@ -85,7 +85,6 @@ def _run_batch(
     meta = AttentionMetadata(
         num_decodes=nd,
         num_prefills=len(chunks),
-        num_decode_tokens=nd,
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
         decode_seq_lens=torch.tensor(decode_lens, **i32),
         decode_block_tables=tables[:nd].to(DEVICE),
@@ -94,7 +93,6 @@ def _run_batch(
         prefill_seq_lens=torch.tensor([ctx + qlen for ctx, qlen in chunks], **i32),
         prefill_block_tables=tables[nd:].to(DEVICE),
         max_prefill_query_len=max(qlens, default=0),
-        max_prefill_seq_len=max((ctx + qlen for ctx, qlen in chunks), default=0),
         prefill_query_lens_cpu=qlens,
         prefill_seq_lens_cpu=[ctx + qlen for ctx, qlen in chunks],
     )
