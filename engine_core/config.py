@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
-_BACKENDS = ("torch", "triton")
+_BACKENDS = ("cpu", "torch", "triton")
 
 
 @dataclass
@@ -31,7 +31,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     scheduling_policy: str = "fcfs"
     # Model execution
-    attention_backend: str | None = None  # "torch" | "triton"; None picks by device
+    attention_backend: str | None = None  # "cpu" | "torch" | "triton"; None picks by device
     num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
     cache_dir: str = field(
         default_factory=lambda: os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda"))
@@ -72,4 +72,4 @@ class EngineConfig:
     def resolved_backend(self) -> str:
         if self.attention_backend is not None:
             return self.attention_backend
-        return "triton" if self.device.startswith("cuda") else "torch"
+        return "triton" if self.device.startswith("cuda") else "cpu"

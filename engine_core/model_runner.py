@@ -19,6 +19,7 @@ from engine_core.config import EngineConfig
 from engine_core.input_batch import InputBatch, StepInputs
 from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config
 from engine_core.models.llama import model_class
+from engine_core.models.packed_linear import can_pack
 from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from engine_core.sampler import Sampler, compute_logprobs
 from engine_core.sampling_batch import SamplingBatch
@@ -74,6 +75,7 @@ class ModelRunner:
             head_dim,
             config.block_size,
             head_dim**-0.5,
+            self.dtype,
         )
         self.backend = backend
         t0 = time.perf_counter()
@@ -81,8 +83,8 @@ class ModelRunner:
             model = cls(hf, backend, self.max_model_len)
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(dtype=self.dtype).eval()
-        if self.device.type == "cpu":
-            self.model.use_input_major_weights()
+        if can_pack(self.device, self.dtype):
+            self.model.pack_weights()
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
         log.info("model loaded", architecture=arch, dtype=config.dtype, seconds=round(time.perf_counter() - t0, 2))
         elt = torch.tensor([], dtype=self.dtype).element_size()

@@ -12,7 +12,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import structlog
 import torch
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -66,8 +69,22 @@ class AttentionBackend(ABC):
 
 
 def create_backend(
-    name: str, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float
+    name: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    scale: float,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionBackend:
+    """`cpu` falls back to `torch` (logged) for dtypes or machines its native kernel does not serve."""
+    if name == "cpu":
+        from engine_core.attention.cpu_backend import CpuAttentionBackend, cpu_backend_supported
+
+        if cpu_backend_supported(dtype):
+            return CpuAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, scale)
+        log.warning("cpu attention backend unavailable for this dtype/machine; using torch", dtype=str(dtype))
+        name = "torch"
     if name == "torch":
         from engine_core.attention.torch_backend import TorchAttentionBackend
 
@@ -76,4 +93,4 @@ def create_backend(
         from engine_core.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, scale)
-    raise ValueError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
+    raise ValueError(f"attention_backend must be 'cpu', 'torch' or 'triton', got {name!r}")

@@ -1,0 +1,102 @@
+"""Native CPU kernels (C++), compiled by torch's extension builder at first use and cached on disk.
+
+The ops register under `torch.ops.pagoda_cpu`. Where no C++ compiler works, `available()` says so (logged once)
+and callers keep their batched-torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+from pathlib import Path
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "fused_ops.cpp")]
+_lock = threading.Lock()
+_loaded: bool | None = None
+
+
+def _build_dir() -> Path:
+    """One directory per (sources, torch, CPU features): `-march=native` binaries must not travel between CPUs."""
+    h = hashlib.sha256(torch.__version__.encode())
+    for src in _SOURCES:
+        h.update(src.read_bytes())
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    h.update(flags.encode())
+    root = Path(os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda")))
+    return root / "kernels" / h.hexdigest()[:16]
+
+
+def available() -> bool:
+    """Builds (first time on this machine, ~20 s) and loads the kernels; False where that is impossible."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _load()
+        return _loaded
+
+
+def _load() -> bool:
+    if os.environ.get("PAGODA_DISABLE_CPU_KERNELS") == "1":
+        return False
+    from torch.utils.cpp_extension import load
+
+    build_dir = _build_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        load(
+            name="pagoda_cpu_kernels",
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
+            extra_ldflags=["-fopenmp", "-lmvec"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no headers, a sandbox without /tmp: keep serving with torch ops
+        log.warning("native CPU kernels unavailable; using batched torch attention", error=str(e)[:500])
+        return False
+    return True
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D] float32
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, H_kv, D] float32
+    block_tables: torch.Tensor,  # [B, max_blocks] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if out is None:
+        out = torch.empty_like(q)
+    torch.ops.pagoda_cpu.paged_decode_attention(out, q, kv_cache, block_tables, seq_lens, scale)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """`silu(x[:, :I]) * x[:, I:]` for x `[T, 2I]` float32."""
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+    torch.ops.pagoda_cpu.silu_and_mul(out, x)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> None:
+    """In place: `residual += x` (if given), then `x = rms_norm(residual or x) * weight`."""
+    torch.ops.pagoda_cpu.add_rms_norm(x, residual, weight, eps)
+
+
+def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> None:
+    """In place, rotate-half form, on the first `num_heads` heads of each row of x `[T, >= num_heads * head_dim]`;
+    cos/sin `[T, head_dim]` are the rows for each token's position."""
+    torch.ops.pagoda_cpu.rotary_embedding(x, cos, sin, num_heads, head_dim)

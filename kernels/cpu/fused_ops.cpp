@@ -1,0 +1,131 @@
+// Fused elementwise ops for the CPU float32 path: one pass over memory and one dispatch each.
+//
+// Why: in eager torch these are 3-7 ops apiece (RMSNorm: add, pow, mean, add, rsqrt, mul, mul), each a full pass
+// over the activations plus ~2-10 us of dispatch. A prefill step of 2048 tokens spent 3.5 of its 36 s in them (SiLU on
+// the strided gate half of the fused gate/up output ran at 2.6 GB/s); a batch-1 decode step pays the dispatch ~300 times.
+// Numerics follow transformers' float32 modules: RMSNorm is x * rsqrt(mean(x^2) + eps) * weight, rotary is the
+// rotate-half (NeoX) form, SiLU is x / (1 + exp(-x)).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+
+extern "C" __attribute__((__simd__("notinbranch"))) float expf(float) noexcept;
+
+namespace {
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": float32 only");
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": expected a 2-D tensor with contiguous rows");
+}
+
+// Rows per parallel task: enough work (~16K floats) per task that the thread hand-off is worth it.
+int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
+
+// out[t] = silu(x[t, :I]) * x[t, I:]
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  check_rows(x, "silu_and_mul");
+  check_rows(out, "silu_and_mul");
+  const int64_t T = x.size(0), I = x.size(1) / 2;
+  TORCH_CHECK(x.size(1) == 2 * I && out.size(0) == T && out.size(1) == I, "silu_and_mul: shapes do not match");
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, T, grain(I), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = xp + t * xs;
+      const float* u = g + I;
+      float* o = op + t * os;
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+  });
+}
+
+// residual (if given) += x, then x = rms_norm(residual or x) * weight; both in place.
+void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, "add_rms_norm");
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == N,
+              "add_rms_norm: weight must be a contiguous float32 vector of the hidden size");
+  float* r = nullptr;
+  int64_t rs = 0;
+  if (residual.has_value()) {
+    check_rows(*residual, "add_rms_norm");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "add_rms_norm: residual shape does not match");
+    r = residual->data_ptr<float>();
+    rs = residual->stride(0);
+  }
+  float* xp = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  const int64_t xs = x.stride(0);
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, T, grain(N), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* xr = xp + t * xs;
+      const float* src = xr;
+      if (r != nullptr) {
+        float* rr = r + t * rs;
+#pragma omp simd
+        for (int64_t i = 0; i < N; ++i) rr[i] += xr[i];
+        src = rr;
+      }
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < N; ++i) ss += src[i] * src[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(N) + feps);
+#pragma omp simd
+      for (int64_t i = 0; i < N; ++i) xr[i] = w[i] * (src[i] * inv);
+    }
+  });
+}
+
+// Rotates the first `num_heads` heads of every row of x in place (rotate-half form), with cos/sin the rows for
+// each token's position: x[:h] = x[:h] * cos - x[h:] * sin; x[h:] = x[h:] * cos + x[:h] * sin.
+void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                      int64_t head_dim) {
+  check_rows(x, "rotary_embedding");
+  check_rows(cos, "rotary_embedding");
+  check_rows(sin, "rotary_embedding");
+  const int64_t T = x.size(0), half = head_dim / 2;
+  TORCH_CHECK(head_dim % 2 == 0 && num_heads * head_dim <= x.size(1) && cos.size(0) == T && cos.size(1) == head_dim &&
+                  sin.sizes() == cos.sizes(),
+              "rotary_embedding: shapes do not match");
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t xs = x.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  at::parallel_for(0, T, grain(num_heads * head_dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * cs;
+      const float* s = sp + t * ss;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* a = xp + t * xs + h * head_dim;
+        float* b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = a[i], x2 = b[i];
+          a[i] = x1 * c[i] - x2 * s[i];
+          b[i] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
+  m.def(
+      "rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary_embedding", &rotary_embedding);
+}
