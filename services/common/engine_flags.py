@@ -20,7 +20,7 @@ def add_worker_engine_flags(parser: argparse.ArgumentParser) -> None:
     add_flag(parser, "--kv-cache-memory", default=2.0, type=float, help="GiB of KV cache on CPU")
     add_flag(parser, "--gpu-memory-utilization", default=0.85, type=float, help="fraction of free GPU memory")
     add_flag(parser, "--max-model-len", default=None, type=optional_int, help="context limit (default: the model's)")
-    add_flag(parser, "--attention-backend", default=None, type=optional_str, help="cpu | torch | triton (default: triton on CUDA, cpu on CPU)")
+    add_flag(parser, "--attention-backend", default=None, type=optional_str, help="cpu | torch | triton")
     add_flag(parser, "--num-threads", default=None, type=optional_int, help="torch CPU threads")
     add_flag(parser, "--seed", default=0, type=int, help="seed of the shared sampling generator")
 
