@@ -23,6 +23,7 @@ from engine_core.models.packed_linear import can_pack
 from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from engine_core.sampler import Sampler, compute_logprobs
 from engine_core.sampling_batch import SamplingBatch
+from kernels import cpu as cpu_kernels
 
 log = structlog.get_logger(__name__)
 
@@ -85,6 +86,8 @@ class ModelRunner:
         self.model = model.to(dtype=self.dtype).eval()
         if can_pack(self.device, self.dtype):
             self.model.pack_weights()
+            if cpu_kernels.available():
+                self.model.use_native_ops()
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
         log.info("model loaded", architecture=arch, dtype=config.dtype, seconds=round(time.perf_counter() - t0, 2))
         elt = torch.tensor([], dtype=self.dtype).element_size()

@@ -26,11 +26,29 @@ class CpuAttentionBackend(TorchAttentionBackend):
         finally:
             meta.num_decodes = decodes
 
-    def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, ws: torch.Tensor
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
-        return cpu_kernels.paged_decode_attention(
-            q.contiguous(), kv_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+        if meta.num_prefills == 0 and meta.num_decodes == q.shape[0]:  # a decode-only step: no copies, no padding
+            cpu_kernels.store_kv(kv_cache, k, v, meta.slot_mapping)
+            return cpu_kernels.paged_decode_attention(
+                q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
+            )
+        return super().forward(q, k, v, kv_cache, meta)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        cpu_kernels.store_kv(kv_cache, k, v, meta.slot_mapping)
+
+    def _decode(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, ws: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        cpu_kernels.paged_decode_attention(
+            q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, out=out
         )
 
 

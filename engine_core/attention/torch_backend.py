@@ -89,14 +89,14 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        self._store(k, v, kv_cache, meta.slot_mapping)
+        self._store(k, v, kv_cache, meta)
         if self._mask_dtype != q.dtype:  # masks are built in fp32; cast once per step, not per layer
             self._cast_masks(q.dtype)
         out = torch.empty_like(q)
         ws = self._buffers(kv_cache)
         nd = meta.num_decodes
         if nd:
-            out[:nd] = self._decode(q[:nd], kv_cache, meta, ws)
+            self._decode(q[:nd], kv_cache, meta, ws, out[:nd])
         if meta.num_prefills:
             self._prefill(q[nd:], kv_cache, meta, ws, out[nd:])
         end = nd + sum(meta.prefill_query_lens_cpu)
@@ -104,7 +104,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[end:].zero_()  # padding rows belong to no sequence
         return out
 
-    def _store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    def _store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        slots = meta.slot_mapping
         if self._has_padding:
             keep = slots >= 0
             k, v, slots = k[keep], v[keep], slots[keep]
@@ -119,9 +120,8 @@ class TorchAttentionBackend(AttentionBackend):
         return k, v
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, ws: torch.Tensor
-    ) -> torch.Tensor:
-        out = torch.empty_like(q)
+        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, ws: torch.Tensor, out: torch.Tensor
+    ) -> None:
         for g in self._decode_groups:
             b = g.end - g.start
             k, v = self._gather(
@@ -134,7 +134,6 @@ class TorchAttentionBackend(AttentionBackend):
                 q[g.start : g.end].unsqueeze(2), k, v, attn_mask=g.mask, scale=self.scale, enable_gqa=True
             )
             out[g.start : g.end] = o.squeeze(2)
-        return out
 
     def _prefill(
         self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, ws: torch.Tensor, out: torch.Tensor

@@ -18,23 +18,19 @@ from engine_core.models.packed_linear import pack_linears
 from kernels import cpu as cpu_kernels
 
 
-def _native(x: torch.Tensor) -> bool:
-    """CPU float32 runs the fused native ops (kernels/cpu) when they are built; everything else the torch code."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and cpu_kernels.available()
-
-
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.native = False  # fused native op (CPU float32), see LlamaForCausalLM.use_native_ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the residual add is fused into the norm call.
 
         NOTE: the native op works in place: x is always a fresh projection output here, never a view of an input.
         """
-        if _native(x):
+        if self.native:
             if residual is None:
                 out = x.clone()
                 cpu_kernels.add_rms_norm(out, None, self.weight, self.eps)
@@ -95,6 +91,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
+        self.native = False
 
     def forward(
         self,
@@ -105,7 +102,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if _native(qkv):  # rotates q and k (adjacent in each row) in place, one pass
+        if self.native:  # rotates q and k (adjacent in each row) in place, one pass
             cos, sin = cos_sin
             cpu_kernels.rotary_embedding(
                 qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads + self.num_kv_heads, self.head_dim
@@ -114,7 +111,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if not _native(qkv):
+        if not self.native:
             q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
         out = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -128,10 +125,11 @@ class MLP(nn.Module):
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        self.native = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if _native(gate_up):
+        if self.native:
             return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(nn.functional.silu(gate) * up)
@@ -198,6 +196,12 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
             self.lm_head.weight = self.embed_tokens.weight
         pack_linears(self)
+
+    def use_native_ops(self) -> None:
+        """CPU float32: RMSNorm (+ residual add), rotary and SiLU-and-mul run as fused native ops (kernels/cpu)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | MLP):
+                module.native = True
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -71,7 +71,7 @@ def _load() -> bool:
 
 
 def paged_decode_attention(
-    q: torch.Tensor,  # [B, H, D] float32
+    q: torch.Tensor,  # [B, H, D] float32, rows may be strided (a view into the qkv projection)
     kv_cache: torch.Tensor,  # [2, num_blocks, block_size, H_kv, D] float32
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     seq_lens: torch.Tensor,  # [B] int32
@@ -79,9 +79,14 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if out is None:
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.pagoda_cpu.paged_decode_attention(out, q, kv_cache, block_tables, seq_lens, scale)
     return out
+
+
+def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Writes each token's K/V `[T, H_kv, D]` at its slot (block * block_size + offset); slot -1 is skipped."""
+    torch.ops.pagoda_cpu.store_kv(kv_cache, k, v, slot_mapping)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

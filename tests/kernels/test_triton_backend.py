@@ -139,3 +139,14 @@ def test_torch_backend_same_contract(dtype: torch.dtype) -> None:
     torch.manual_seed(0)
     decode_lens = torch.randint(1, 120, (20,)).tolist()
     _run_batch(decode_lens, [(0, 5), (19, 32), (32, 1)], 2, 16, 2, 3, 64, dtype, backend_name="torch")
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])  # 48 is not a multiple of 32: the kernel's portable (non-AVX2) loops
+@pytest.mark.parametrize("decodes_only", [False, True], ids=["mixed", "decodes-only"])
+def test_cpu_backend_same_contract(head_dim: int, decodes_only: bool) -> None:
+    """The native CPU backend (float32): decode rows through its kernel, including the copy-free decode-only path."""
+    torch.manual_seed(0)
+    decode_lens = torch.randint(1, 120, (20,)).tolist()
+    chunks = [] if decodes_only else [(0, 5), (19, 32), (32, 1)]
+    padding = 0 if decodes_only else 2
+    _run_batch(decode_lens, chunks, padding, 16, 2, 3, head_dim, torch.float32, backend_name="cpu")

@@ -1,0 +1,76 @@
+"""The native CPU ops (kernels/cpu, C++ built at first use) against the torch code they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_core.models.llama import RMSNorm, apply_rotary
+from kernels import cpu as cpu_kernels
+from kernels.reference import ref_store_kv
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ toolchain for the native CPU kernels")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 67])
+def test_silu_and_mul(rows: int) -> None:
+    x = torch.randn(rows, 2 * 1536) * 4
+    gate, up = x.split(1536, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(x), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_the_torch_module(with_residual: bool) -> None:
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576) + 0.5)
+    x = torch.randn(33, 576) * 3
+    residual = torch.randn(33, 576) if with_residual else None
+    want_out, want_res = norm(x.clone(), None if residual is None else residual.clone())
+    norm.native = True
+    got_out, got_res = norm(x.clone(), None if residual is None else residual.clone())
+    torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_res, want_res)
+
+
+def test_rotary_rotates_q_and_k_in_place_and_leaves_v() -> None:
+    t, heads, kv_heads, d = 9, 4, 2, 64
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d)
+    angles = torch.rand(t, d // 2) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    cos_sin = (cos.unsqueeze(1), sin.unsqueeze(1))
+    want_q = apply_rotary(q.reshape(t, heads, d), cos_sin)
+    want_k = apply_rotary(k.reshape(t, kv_heads, d), cos_sin)
+    want_v = v.clone()
+    cpu_kernels.rotary_embedding(qkv, cos, sin, heads + kv_heads, d)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    torch.testing.assert_close(q.reshape(t, heads, d), want_q, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(k.reshape(t, kv_heads, d), want_k, atol=1e-6, rtol=1e-5)
+    assert torch.equal(v, want_v)
+
+
+def test_store_kv_writes_slots_and_skips_padding() -> None:
+    blocks, bs, kv_heads, d = 6, 4, 2, 8
+    cache = torch.randn(2, blocks, bs, kv_heads, d)
+    expected = cache.clone()
+    kv = torch.randn(5, 2 * kv_heads * d)  # k and v as strided views of one buffer, as the projection gives them
+    k, v = (x.view(5, kv_heads, d) for x in kv.split(kv_heads * d, dim=-1))
+    slots = torch.tensor([3, 17, -1, 0, 23])
+    ref_store_kv(k, v, expected[0], expected[1], slots)
+    cpu_kernels.store_kv(cache, k, v, slots)
+    assert torch.equal(cache, expected)
+
+
+def test_bad_inputs_are_rejected_with_the_op_name() -> None:
+    with pytest.raises(RuntimeError, match="silu_and_mul: float32 only"):
+        cpu_kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
+    cache = torch.zeros(2, 2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="store_kv: slot out of range"):
+        cpu_kernels.store_kv(cache, torch.randn(1, 1, 8), torch.randn(1, 1, 8), torch.tensor([8]))
+    q = torch.randn(1, 2, 8)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        cpu_kernels.paged_decode_attention(
+            q, cache, torch.tensor([[5]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 1.0
+        )
