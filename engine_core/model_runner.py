@@ -18,8 +18,8 @@ from engine_core.attention.backend import AttentionMetadata, create_backend
 from engine_core.config import EngineConfig
 from engine_core.input_batch import InputBatch, StepInputs
 from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config
+from engine_core.models.cpu_linear import can_pack
 from engine_core.models.llama import model_class
-from engine_core.models.packed_linear import can_pack
 from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from engine_core.sampler import Sampler, compute_logprobs
 from engine_core.sampling_batch import SamplingBatch
@@ -85,7 +85,7 @@ class ModelRunner:
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(dtype=self.dtype).eval()
         if can_pack(self.device, self.dtype):
-            self.model.pack_weights()
+            self.model.use_cpu_gemms()
             if cpu_kernels.available():
                 self.model.use_native_ops()
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use

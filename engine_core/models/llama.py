@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
-from engine_core.models.packed_linear import pack_linears
+from engine_core.models.cpu_linear import use_cpu_linears
 from kernels import cpu as cpu_kernels
 
 
@@ -187,15 +187,15 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(hidden).float()
         return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
-    def pack_weights(self) -> None:
-        """CPU float32: every projection and the LM head go through oneDNN with pre-packed weights.
+    def use_cpu_gemms(self) -> None:
+        """CPU float32: every projection and the LM head become a `CpuLinear` (models/cpu_linear.py).
 
-        A tied LM head gets its own packed copy, since the embedding lookup needs the rows.
+        A tied LM head shares the embedding's weight and gets its own packed copy.
         """
         if self.lm_head is None:
-            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False)
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
-        pack_linears(self)
+        use_cpu_linears(self)
 
     def use_native_ops(self) -> None:
         """CPU float32: RMSNorm (+ residual add), rotary and SiLU-and-mul run as fused native ops (kernels/cpu)."""

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine_core.models.cpu_linear import LARGE_M, SMALL_M, CpuLinear
 from engine_core.models.llama import RMSNorm, apply_rotary
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_store_kv
@@ -74,3 +75,19 @@ def test_bad_inputs_are_rejected_with_the_op_name() -> None:
         cpu_kernels.paged_decode_attention(
             q, cache, torch.tensor([[5]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32), 1.0
         )
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 576, 960), (3, 576, 49), (2, 36, 10), (4, 1536, 576)])
+def test_small_m_linear(rows: int, k: int, n: int) -> None:
+    """AVX2 path (K % 8 == 0, N % 4 == 0) and the portable tails (K = 36, N = 49 or 10)."""
+    x, w, b = torch.randn(rows, k), torch.randn(n, k) * 0.05, torch.randn(n)
+    torch.testing.assert_close(cpu_kernels.small_m_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cpu_kernels.small_m_linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, SMALL_M, SMALL_M + 1, LARGE_M - 1, LARGE_M])
+def test_cpu_linear_every_path_gives_the_same_product(rows: int) -> None:
+    w, b = torch.randn(96, 64) * 0.1, torch.randn(96)
+    layer = CpuLinear(w, b)
+    x = torch.randn(rows, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
