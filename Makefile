@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pagoda-installed
 PYTEST_ARGS ?=
 
-.PHONY: install proto test test-fast serve bench lint format clean
+.PHONY: install proto kernels test test-fast serve bench lint format clean
 
 install: $(STAMP)
 
@@ -20,7 +20,11 @@ $(STAMP): pyproject.toml
 proto: install
 	$(PY) -m services.pb_build
 
-test: install proto
+# The native CPU kernels (C++) build at first use anyway; this builds them now and fails if the toolchain cannot.
+kernels: install
+	$(PY) -m kernels.cpu
+
+test: install proto kernels
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: install proto
@@ -29,7 +33,7 @@ test-fast: install proto
 serve: install proto
 	$(VENV)/bin/pagoda serve --demo
 
-bench: install
+bench: install kernels
 	$(PY) benchmarks/offline_throughput.py
 
 lint: install

@@ -1,9 +1,9 @@
 """The `cpu` attention backend: decode rows through the native paged kernel, prefill chunks as the torch backend.
 
-NOTE: measured on the 2-core AVX2 EPYC, one layer of SmolLM2 (9 query / 3 KV heads, fp32), decode rows at contexts
-of 600-700 tokens: gather + SDPA 8.1-13 ms for 64 rows, the native kernel 4.3 ms (benchmarks/attention_bench.py).
-The kernel reads each K/V row once straight from the cache; gather + SDPA moved it three times, and SDPA's flash
-kernel is overhead-bound at one query row. Prefill chunks have many query rows, where SDPA is efficient.
+NOTE: measured on the 2-core AVX2 EPYC, one layer of SmolLM2 (9 query / 3 KV heads, fp32), 64 decode rows of
+100-700 tokens (`benchmarks/cpu_bench.py attention`): gather + SDPA 8.6 ms, the native kernel 2.9 ms (1.2 vs 3.5 ms
+at 100-400 tokens). The kernel reads each K/V row once straight from the cache; gather + SDPA moved it three times,
+and SDPA's flash kernel is overhead-bound at one query row. Prefill chunks have many query rows, where SDPA is fine.
 """
 
 from __future__ import annotations

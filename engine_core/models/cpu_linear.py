@@ -1,6 +1,6 @@
 """CPU float32 projections: each GEMM goes to the implementation that is fastest for its row count.
 
-Measured on the 2-core AVX2 EPYC over SmolLM2's 30 layers of projections (benchmarks/gemm_bench.py):
+Measured on the 2-core AVX2 EPYC over SmolLM2's 30 layers of projections (`benchmarks/cpu_bench.py gemm`):
 
 | rows      | MKL `F.linear` | oneDNN, weight packed at load | `small_m_linear` (kernels/cpu) |
 | --------- | -------------- | ----------------------------- | ------------------------------ |

@@ -54,6 +54,8 @@ def _load() -> bool:
 
     build_dir = _build_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
+    if not any(build_dir.glob("*.so")):
+        log.info("compiling native CPU kernels (once per machine, ~30 s)", build_dir=str(build_dir))
     try:
         load(
             name="pagoda_cpu_kernels",

@@ -1,0 +1,161 @@
+"""CPU microbenchmarks behind the CPU fast path's design choices (float32, SmolLM2-135M shapes, random weights).
+
+- `gemm`: the 30 layers' projections (576x960 qkv, 576x576 o, 576x3072 gate/up, 1536x576 down) and the
+  49152x576 LM head at 1..2048 rows, through MKL `F.linear`, oneDNN with the weight packed once
+  (`mkldnn._linear_pointwise`) and the native streaming kernel (`small_m_linear`, meant for <= 4 rows).
+- `attention`: one layer of decode attention (9 query / 3 KV heads, head dim 64, block size 16, shuffled block
+  tables, context lengths uniform in [ctx/4, ctx] sorted longest-first as the engine hands them over): the torch
+  backend (gather into a workspace + SDPA, in length groups) against the native paged kernel.
+
+    python benchmarks/cpu_bench.py [gemm|attention|all] [--threads 2]
+
+Appends one JSON line per run to benchmarks/results/cpu_bench.jsonl. Numbers from a quiet machine only: another
+busy process on a 2-core box halves them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+RESULTS = Path(__file__).parent / "results" / "cpu_bench.jsonl"
+LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
+LAYERS = 30
+VOCAB = 49152
+
+
+def timed(fn: Callable[[], object], min_seconds: float = 0.5) -> float:
+    """Median of repeated calls after a warm-up, in ms."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < min_seconds or len(times) < 3:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def bench_gemm() -> list[dict[str, object]]:
+    from kernels import cpu as cpu_kernels
+
+    torch.manual_seed(0)
+    plain = [[torch.randn(o, i) * 0.02 for i, o in LAYER_SHAPES] for _ in range(LAYERS)]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in plain]
+    lm = torch.randn(VOCAB, 576) * 0.02
+    lm_packed = torch.ops.mkldnn._reorder_linear_weight(lm, None)
+    rows_out: list[dict[str, object]] = []
+    print("rows | 30 layers: mkl, onednn, stream | lm head: mkl, onednn, stream   (ms)")
+    mkl = torch.nn.functional.linear
+    stream = partial(cpu_kernels.small_m_linear, bias=None)
+
+    def dnn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    def layers(op: Callable[..., object], weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
+        for ws in weights:
+            for (i, _), w in zip(LAYER_SHAPES, ws, strict=True):
+                op(xs[i], w)
+
+    for m in (1, 2, 4, 8, 32, 64, 256, 512, 2048):
+        xs = {i: torch.randn(m, i) for i, _ in LAYER_SHAPES}
+        x = xs[576]
+        small = m <= 8  # the streaming kernel is for a handful of rows
+        row: dict[str, object] = {"rows": m}
+        with torch.inference_mode():
+            row["layers_mkl_ms"] = timed(partial(layers, mkl, plain, xs))
+            row["layers_onednn_ms"] = timed(partial(layers, dnn, packed, xs))
+            row["layers_stream_ms"] = timed(partial(layers, stream, plain, xs)) if small else None
+            row["lm_mkl_ms"] = timed(partial(mkl, x, lm))
+            row["lm_onednn_ms"] = timed(partial(dnn, x, lm_packed))
+            row["lm_stream_ms"] = timed(partial(stream, x, lm)) if small else None
+        cells = [row[k] for k in row if k != "rows"]
+        print(f"{m:>5} " + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells), flush=True)
+        rows_out.append(row)
+    return rows_out
+
+
+def bench_attention() -> list[dict[str, object]]:
+    from engine_core.attention.backend import AttentionMetadata
+    from engine_core.attention.torch_backend import TorchAttentionBackend
+    from kernels import cpu as cpu_kernels
+
+    heads, kv_heads, head_dim, bs, pool = 9, 3, 64, 16, 4096
+    scale = head_dim**-0.5
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, pool, bs, kv_heads, head_dim, generator=g)
+    rows_out: list[dict[str, object]] = []
+    print(f"{'batch':>5} {'ctx':>5} {'gather+sdpa ms':>15} {'native ms':>10} {'native GB/s':>12}")
+    for batch, ctx in ((1, 200), (8, 300), (32, 400), (64, 400), (64, 700)):
+        lens = torch.randint(ctx // 4, ctx + 1, (batch,), generator=g).sort(descending=True).values.int()
+        width = -(-ctx // bs)
+        tables = (torch.randperm(pool - 1, generator=g)[: batch * width] + 1).view(batch, width).int()
+        q = torch.randn(batch, heads, head_dim, generator=g)
+        meta = AttentionMetadata(
+            num_decodes=batch,
+            num_prefills=0,
+            slot_mapping=torch.full((batch,), -1, dtype=torch.long),
+            decode_seq_lens=lens,
+            decode_block_tables=tables,
+            max_decode_seq_len=int(lens.max()),
+            prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
+            prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
+            prefill_block_tables=torch.zeros(0, width, dtype=torch.int32),
+            max_prefill_query_len=0,
+            prefill_query_lens_cpu=[],
+            prefill_seq_lens_cpu=[],
+        )
+        ref = TorchAttentionBackend(heads, kv_heads, head_dim, bs, scale)
+        ref.prepare(meta)
+        out = torch.empty_like(q)
+        with torch.inference_mode():
+            torch_ms = timed(partial(ref._decode, q, cache, meta, ref._buffers(cache), out))
+            native_ms = timed(partial(cpu_kernels.paged_decode_attention, q, cache, tables, lens, scale))
+        kv_bytes = int(lens.sum()) * 2 * kv_heads * head_dim * 4
+        row = {
+            "batch": batch,
+            "ctx": ctx,
+            "torch_ms": torch_ms,
+            "native_ms": native_ms,
+            "native_gb_s": kv_bytes / native_ms / 1e6,
+        }
+        print(f"{batch:>5} {ctx:>5} {torch_ms:>15.3f} {native_ms:>10.3f} {row['native_gb_s']:>12.1f}", flush=True)
+        rows_out.append(row)
+    return rows_out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("which", nargs="?", default="all", choices=["gemm", "attention", "all"])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from kernels import cpu as cpu_kernels
+
+    if not cpu_kernels.available():
+        sys.exit("the native CPU kernels are unavailable (no C++ toolchain?)")
+    record: dict[str, object] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "threads": args.threads,
+        "torch": torch.__version__,
+    }
+    if args.which in ("gemm", "all"):
+        record["gemm"] = bench_gemm()
+    if args.which in ("attention", "all"):
+        record["attention"] = bench_attention()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    with RESULTS.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()
