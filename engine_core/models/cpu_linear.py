@@ -2,13 +2,12 @@
 
 Measured on the 2-core AVX2 EPYC over SmolLM2's 30 layers of projections (`benchmarks/cpu_bench.py gemm`):
 
-| rows      | MKL `F.linear` | oneDNN, weight packed at load | `small_m_linear` (kernels/cpu) |
-| --------- | -------------- | ----------------------------- | ------------------------------ |
-| 1         | 23 ms          | 19.5 ms                       | **15.7 ms** (LM head 3.2 vs 4.0) |
-| 8         | 44 ms          | **28 ms**                     | 30 ms                          |
-| 32        | 72 ms          | **59 ms**                     |                                |
-| 256       | 400 ms         | **351 ms**                    |                                |
-| 2048      | **2.48 s**     | 2.67 s                        |                                |
+| rows | MKL `F.linear` | oneDNN, weight packed at load | `small_m_linear` (kernels/cpu) |
+| ---- | -------------- | ----------------------------- | ------------------------------ |
+| 1    | 26.9 ms        | 17.9 ms                       | **15.6 ms** (LM head 3.3 vs 4.1) |
+| 8    | 46.6 ms        | **28.5 ms**                   | 28.2 ms (LM head 7.0 vs 5.9)   |
+| 64   | 113.7 ms       | **102.2 ms**                  |                                |
+| 2048 | **2.39 s**     | 2.70 s                        |                                |
 
 A handful of rows is a weight-streaming problem (the native kernel streams at ~27 GB/s, oneDNN ~22); mid sizes are
 where MKL re-packs the weight on every call and takes slow paths on this CPU; at prefill sizes MKL's packing cost
