@@ -100,3 +100,35 @@ def test_half_precision_dtypes_track_float32(dtype: str, tmp_path: Path, smollm2
         (tok,) = w.outputs[0].token_ids
         assert g.outputs[0].logprobs is not None and w.outputs[0].logprobs is not None
         assert abs(g.outputs[0].logprobs[0][tok].logprob - w.outputs[0].logprobs[0][tok].logprob) < 0.1
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "llama"])
+@pytest.mark.parametrize(
+    ("small_m", "large_m"), [(8, 512), (4, 512), (0, 1)], ids=["streaming-gemm", "onednn-gemm", "mkl-gemm"]
+)
+def test_native_decode_step_matches_the_python_layers(
+    kind: str, small_m: int, large_m: int, tmp_path: Path, smollm2_dir: str
+) -> None:
+    """Decode-only steps run every layer in one native call (kernels/cpu/decode_step.cpp): same tokens and logprobs
+    as the Python layer loop, through each of its GEMM paths (6 decode rows; the row thresholds are moved so each
+    path takes them). Qwen2 brings the Q/K/V biases."""
+    model_dir = _tiny(kind, tmp_path / kind, smollm2_dir)
+    llm = LLM(str(model_dir), kv_cache_memory=0.05, enable_prefix_caching=False)
+    model = llm.core.executor.model
+    if model._native_decode is None:
+        pytest.skip("native CPU kernels unavailable")
+    model._native_decode.small_m, model._native_decode.large_m = small_m, large_m
+    gen = torch.Generator().manual_seed(3)
+    prompts = [
+        {"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (3, 40, 1, 17, 9, 5)
+    ]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    native = llm.generate(prompts, params, use_tqdm=False)
+    model._native_decode = None
+    python = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(native, python, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert pa.keys() == pb.keys()
+            for tok in pa:
+                assert abs(pa[tok].logprob - pb[tok].logprob) < 1e-5

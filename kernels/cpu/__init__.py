@@ -10,6 +10,7 @@ import hashlib
 import os
 import platform
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -17,7 +18,11 @@ import torch
 
 log = structlog.get_logger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("paged_attention.cpp", "fused_ops.cpp", "small_m_linear.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "small_m_linear.cpp", "decode_step.cpp")
+]
+_HEADERS = [Path(__file__).with_name("ops.h")]
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -25,7 +30,7 @@ _loaded: bool | None = None
 def _build_dir() -> Path:
     """One directory per (sources, torch, CPU features): `-march=native` binaries must not travel between CPUs."""
     h = hashlib.sha256(torch.__version__.encode())
-    for src in _SOURCES:
+    for src in _SOURCES + _HEADERS:
         h.update(src.read_bytes())
     try:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
@@ -114,3 +119,53 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
     torch.ops.pagoda_cpu.small_m_linear(out, x, weight, bias)
     return out
+
+
+@dataclass
+class DecodeLayerWeights:
+    """What `decode_layers` needs of a Llama-family model, flattened once at load."""
+
+    norms: list[torch.Tensor]  # input and post-attention RMSNorm weights, 2 per layer
+    weights: list[torch.Tensor]  # qkv, o, gate_up, down projections ([out, in]), 4 per layer
+    packed: list[torch.Tensor]  # the same as oneDNN packed tensors
+    qkv_biases: list[torch.Tensor]  # one per layer (Qwen2), or empty
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float
+    small_m: int  # GEMM row thresholds, as models/cpu_linear.py dispatches
+    large_m: int
+
+
+def decode_layers(
+    h: torch.Tensor,  # [B, hidden] embeddings of the step's tokens
+    cos: torch.Tensor,  # [B, head_dim] rows for each token's position
+    sin: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layers: DecodeLayerWeights,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All decoder layers of a decode-only step in one call; returns (h, residual) before the final norm."""
+    return torch.ops.pagoda_cpu.decode_layers(
+        h,
+        cos,
+        sin,
+        kv_caches,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        layers.norms,
+        layers.weights,
+        layers.packed,
+        layers.qkv_biases,
+        layers.num_heads,
+        layers.num_kv_heads,
+        layers.head_dim,
+        layers.eps,
+        layers.scale,
+        layers.small_m,
+        layers.large_m,
+    )

@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 
@@ -23,6 +25,10 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 // Rows per parallel task: enough work (~16K floats) per task that the thread hand-off is worth it.
 int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
+
+}  // namespace
+
+namespace pagoda {
 
 // out[t] = silu(x[t, :I]) * x[t, I:]
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
@@ -115,7 +121,7 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
   });
 }
 
-}  // namespace
+}  // namespace pagoda
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
@@ -125,7 +131,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("rotary_embedding", &rotary_embedding);
+  m.impl("silu_and_mul", &pagoda::silu_and_mul);
+  m.impl("add_rms_norm", &pagoda::add_rms_norm);
+  m.impl("rotary_embedding", &pagoda::rotary_embedding);
 }

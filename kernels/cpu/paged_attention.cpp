@@ -9,6 +9,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -160,6 +162,10 @@ void attend(const DecodeArgs& a, int64_t b, int64_t h, std::vector<float>& score
   }
 }
 
+}  // namespace
+
+namespace pagoda {
+
 void paged_decode_attention(
     at::Tensor out,                 // [B, H, D] float32, written
     const at::Tensor& q,            // [B, H, D] float32
@@ -240,7 +246,7 @@ void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, con
   }
 }
 
-}  // namespace
+}  // namespace pagoda
 
 TORCH_LIBRARY(pagoda_cpu, m) {
   m.def(
@@ -250,6 +256,6 @@ TORCH_LIBRARY(pagoda_cpu, m) {
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
-  m.impl("store_kv", &store_kv);
+  m.impl("paged_decode_attention", &pagoda::paged_decode_attention);
+  m.impl("store_kv", &pagoda::store_kv);
 }

@@ -8,6 +8,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -51,6 +53,10 @@ inline float dot(const float* x, const float* w, int64_t K) {
   return acc;
 }
 
+}  // namespace
+
+namespace pagoda {
+
 void small_m_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "small_m_linear: float32 only");
@@ -89,8 +95,8 @@ void small_m_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weigh
   });
 }
 
-}  // namespace
+}  // namespace pagoda
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) { m.def("small_m_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()"); }
 
-TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) { m.impl("small_m_linear", &small_m_linear); }
+TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) { m.impl("small_m_linear", &pagoda::small_m_linear); }

@@ -1,0 +1,18 @@
+// The native CPU ops, callable from each other's translation units (decode_step.cpp chains them).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace pagoda {
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
+void silu_and_mul(at::Tensor out, const at::Tensor& x);
+void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps);
+void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
+                      int64_t head_dim);
+void small_m_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
+                    const c10::optional<at::Tensor>& bias);
+
+}  // namespace pagoda
