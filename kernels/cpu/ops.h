@@ -15,4 +15,12 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
 void small_m_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
                     const c10::optional<at::Tensor>& bias);
 
+// a . b over n floats (the portable path; vectorised by `omp simd` without reassociating anything else).
+inline float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
 }  // namespace pagoda

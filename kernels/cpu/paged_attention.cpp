@@ -73,13 +73,6 @@ inline void dot8(const float*, const float*, int64_t, int64_t, float, float*) {}
 inline void axpy_rows(const float*, const float*, int64_t, int64_t, int64_t, float*) {}
 #endif
 
-inline float dot(const float* q, const float* k, int64_t D) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < D; ++d) acc += q[d] * k[d];
-  return acc;
-}
-
 struct DecodeArgs {
   const float* qp;
   const float* kp;
@@ -118,7 +111,7 @@ void attend(const DecodeArgs& a, int64_t b, int64_t h, std::vector<float>& score
       if (fast) {
         for (; t + 8 <= n; t += 8) dot8(qg + g * D, kb + t * row, row, D, fscale, sg + t);
       }
-      for (; t < n; ++t) sg[t] = dot(qg + g * D, kb + t * row, D) * fscale;
+      for (; t < n; ++t) sg[t] = pagoda::dot(qg + g * D, kb + t * row, D) * fscale;
     }
   }
   // Softmax per query head (vectorised exp through libmvec).

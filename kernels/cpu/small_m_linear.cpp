@@ -46,13 +46,6 @@ inline void dot_rows(const float*, const float*, int64_t, float*) {}
 constexpr bool kHaveAvx2 = false;
 #endif
 
-inline float dot(const float* x, const float* w, int64_t K) {
-  float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t k = 0; k < K; ++k) acc += x[k] * w[k];
-  return acc;
-}
-
 }  // namespace
 
 namespace pagoda {
