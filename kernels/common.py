@@ -43,3 +43,8 @@ def pow2_at_least(n: int, floor: int = 1) -> int:
 def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     """Kernels index the last (head_dim) axis with stride 1; copy the rare tensor that is not laid out that way."""
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def paged_cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    """The (block, slot, head) strides of the K cache, then of the V cache: the order every paged kernel takes them."""
+    return (*k_cache.stride()[:3], *v_cache.stride()[:3])

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, last_dim_contiguous, mma, pow2_at_least, use_fp32_dot
+from kernels.common import LOG2E, last_dim_contiguous, mma, paged_cache_strides, pow2_at_least, use_fp32_dot
 
 
 @triton.jit
@@ -151,12 +151,7 @@ def prefill_attention(
         scale * LOG2E,
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *paged_cache_strides(k_cache, v_cache),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),

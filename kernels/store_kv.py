@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import last_dim_contiguous, pow2_at_least
+from kernels.common import last_dim_contiguous, paged_cache_strides, pow2_at_least
 
 
 @triton.jit
@@ -83,12 +83,7 @@ def store_kv(
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *paged_cache_strides(k_cache, v_cache),
         k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,

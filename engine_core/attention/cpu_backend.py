@@ -11,20 +11,15 @@ from __future__ import annotations
 import torch
 
 from engine_core.attention.backend import AttentionMetadata
-from engine_core.attention.torch_backend import TorchAttentionBackend
+from engine_core.attention.torch_backend import DecodeGroup, TorchAttentionBackend
 from kernels import cpu as cpu_kernels
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def prepare(self, meta: AttentionMetadata) -> None:
-        # The kernel needs no decode groups or masks; only the prefill part of the torch backend's state is built.
-        decodes, meta.num_decodes = meta.num_decodes, 0
-        try:
-            super().prepare(meta)
-        finally:
-            meta.num_decodes = decodes
+    def _plan_decode_groups(self, meta: AttentionMetadata) -> list[DecodeGroup]:
+        return []  # the kernel reads the block tables directly: no length groups, masks or gather workspace
 
     def forward(
         self,
@@ -35,17 +30,22 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         if meta.num_prefills == 0 and meta.num_decodes == q.shape[0]:  # a decode-only step: no copies, no padding
-            cpu_kernels.store_kv(kv_cache, k, v, meta.slot_mapping)
-            return cpu_kernels.paged_decode_attention(
-                q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale
-            )
+            self._store(k, v, kv_cache, meta)
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+            self._decode(q, kv_cache, meta, None, out)
+            return out
         return super().forward(q, k, v, kv_cache, meta)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
         cpu_kernels.store_kv(kv_cache, k, v, meta.slot_mapping)
 
     def _decode(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, ws: torch.Tensor, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        ws: torch.Tensor | None,
+        out: torch.Tensor,
     ) -> None:
         cpu_kernels.paged_decode_attention(
             q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens, self.scale, out=out

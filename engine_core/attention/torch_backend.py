@@ -17,7 +17,7 @@ from engine_core.attention.backend import AttentionBackend, AttentionMetadata
 
 
 @dataclass
-class _DecodeGroup:
+class DecodeGroup:
     """Decode rows [start, end) of the step, padded to `num_blocks` blocks; `mask` is additive [b, 1, 1, L]."""
 
     start: int
@@ -32,7 +32,7 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, block_size, scale)
         self._workspace: torch.Tensor | None = None
-        self._decode_groups: list[_DecodeGroup] = []
+        self._decode_groups: list[DecodeGroup] = []
         self._prefill_masks: list[torch.Tensor | None] = []
         self._mask_dtype = torch.float32
         self._has_padding = False
@@ -41,18 +41,7 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, meta: AttentionMetadata) -> None:
         """Per-step state shared by all layers: masks and the gather workspace."""
         self._has_padding = bool((meta.slot_mapping < 0).any()) if meta.num_tokens else False
-        self._decode_groups = []
-        if meta.num_decodes:
-            lens = meta.decode_seq_lens.tolist()
-            # NOTE: decode rows arrive sorted by length (longest first); a few equal-count groups, each padded only
-            # to its own longest row, waste far less than padding the whole batch to the longest context.
-            n_groups = min(4, max(1, len(lens) // 8))
-            bounds = [len(lens) * g // n_groups for g in range(n_groups + 1)]
-            for start, end in itertools.pairwise(bounds):
-                num_blocks = -(-max(lens[start:end]) // self.block_size)
-                pos = torch.arange(num_blocks * self.block_size, device=meta.decode_seq_lens.device)
-                valid = pos[None, :] < meta.decode_seq_lens[start:end, None].to(pos.dtype)
-                self._decode_groups.append(_DecodeGroup(start, end, num_blocks, _additive(valid)[:, None, None, :]))
+        self._decode_groups = self._plan_decode_groups(meta)
         self._prefill_masks = []
         self._mask_dtype = torch.float32
         for qlen, seq_len in zip(meta.prefill_query_lens_cpu, meta.prefill_seq_lens_cpu, strict=True):
@@ -66,6 +55,23 @@ class TorchAttentionBackend(AttentionBackend):
             max((-(-s // self.block_size) for s in meta.prefill_seq_lens_cpu), default=0),
         )
         self._needed_blocks = needed  # the workspace grows lazily in forward, where the cache dtype is known
+
+    def _plan_decode_groups(self, meta: AttentionMetadata) -> list[DecodeGroup]:
+        """Decode rows split into a few length groups, each with its padding mask (what `_decode` gathers by)."""
+        if not meta.num_decodes:
+            return []
+        groups = []
+        lens = meta.decode_seq_lens.tolist()
+        # NOTE: decode rows arrive sorted by length (longest first); a few equal-count groups, each padded only
+        # to its own longest row, waste far less than padding the whole batch to the longest context.
+        n_groups = min(4, max(1, len(lens) // 8))
+        bounds = [len(lens) * g // n_groups for g in range(n_groups + 1)]
+        for start, end in itertools.pairwise(bounds):
+            num_blocks = -(-max(lens[start:end]) // self.block_size)
+            pos = torch.arange(num_blocks * self.block_size, device=meta.decode_seq_lens.device)
+            valid = pos[None, :] < meta.decode_seq_lens[start:end, None].to(pos.dtype)
+            groups.append(DecodeGroup(start, end, num_blocks, _additive(valid)[:, None, None, :]))
+        return groups
 
     def _cast_masks(self, dtype: torch.dtype) -> None:
         for g in self._decode_groups:

@@ -9,10 +9,10 @@ Measured on the 2-core AVX2 EPYC over SmolLM2's 30 layers of projections (`bench
 | 64   | 113.7 ms       | **102.2 ms**                  |                                |
 | 2048 | **2.39 s**     | 2.70 s                        |                                |
 
-A handful of rows is a weight-streaming problem (the native kernel streams at ~27 GB/s, oneDNN ~22); mid sizes are
-where MKL re-packs the weight on every call and takes slow paths on this CPU; at prefill sizes MKL's packing cost
-is amortised and its kernels are the fastest. NOTE: this keeps two copies of each weight (plain and packed):
-+100 % weight memory, 0.5 GB for SmolLM2, bought for the numbers above.
+A handful of rows is a weight-streaming problem (the native kernel streams the 425 MB at ~27 GB/s, oneDNN at
+~24); mid sizes are where MKL re-packs the weight on every call and takes slow paths on this CPU; at prefill sizes
+MKL's packing cost is amortised and its kernels are the fastest. NOTE: this keeps two copies of each weight (plain
+and packed): +100 % weight memory, 0.5 GB for SmolLM2, bought for the numbers above.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 // y = x @ W^T (+ b) for a handful of rows: the batch-1 (and near) decode GEMM, which is a weight-streaming problem.
 //
 // Why: at 1-4 rows a projection does 1-4 FMAs per weight loaded, so its speed is the speed at which the weight
-// streams from DRAM. oneDNN reaches ~23 GB/s on SmolLM2's projections here, a plain two-core stream ~33 GB/s.
+// streams from DRAM. oneDNN reaches ~24 GB/s on SmolLM2's projections here (17.9 ms for 425 MB), a plain two-core
+// read ~33 GB/s, this kernel ~27 GB/s (15.6 ms).
 // This kernel walks W once, 4 rows at a time (the rows stay in L1 while every x row is applied to them), split
 // over the cores by output rows.
 #include <ATen/ATen.h>
