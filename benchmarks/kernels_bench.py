@@ -1,12 +1,14 @@
 """GPU microbenchmark of the paged attention kernels against torch SDPA on contiguous K/V.
 
-Decode: batch 1/32/256 x context 512/2048/8192, Llama-3-8B attention shapes (32 query heads, 8 KV heads, head dim
-128, bf16, block size 16, shuffled block tables). Reports time, achieved HBM bandwidth (K/V bytes read, which dominate)
-and its fraction of `--hbm-peak-gbs`, the split count the heuristic picked, the time without splitting, and torch
-SDPA (flash, GQA) on the same K/V stored contiguously. Prefill: causal TFLOP/s for fresh prefills and for extends
-over cached context, versus SDPA.
+Decode: batch 1/32/256 x context 512/2048/8192 at the attention shapes of `--shapes` (default Llama-3-8B: 32 query
+heads, 8 KV heads, head dim 128; `smollm2`: 9 / 3 / 64), bf16, block size 16, shuffled block tables. Reports time,
+achieved HBM bandwidth (K/V bytes read, which dominate) and its fraction of the HBM peak, the split count the
+heuristic picked, the time without splitting, and torch SDPA (flash, GQA) on the same K/V stored contiguously.
+Prefill: causal TFLOP/s for fresh prefills and for extends over cached context, versus SDPA.
 
-    python benchmarks/kernels_bench.py [--hbm-peak-gbs 3350] [--block-size 16] [--json out.json]
+    python benchmarks/kernels_bench.py [--shapes llama8b,smollm2] [--hbm-peak-gbs 3350] [--json out.json]
+
+`benchmarks/gpu_check.py` runs it at both shapes as part of `make gpu-check`.
 
 `triton.testing.do_bench` flushes L2 between repetitions, so small contexts are measured from HBM too.
 """
@@ -16,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +29,20 @@ import torch.nn.functional as F
 # Run as a script from a checkout: make `kernels` importable even without `pip install -e .`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B
+
+@dataclass(frozen=True)
+class AttnShape:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+SHAPES = {
+    "llama8b": AttnShape(32, 8, 128),  # Llama-3-8B
+    "smollm2": AttnShape(9, 3, 64),  # SmolLM2-135M
+}
+# HBM peak by device name (GB/s, vendor figures): the denominator of "% of peak".
+HBM_PEAK_GBS = {"H200": 4800.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}
 DTYPE = torch.bfloat16
 DECODE_BATCHES = (1, 32, 256)
 DECODE_CONTEXTS = (512, 2048, 8192)
@@ -55,7 +72,18 @@ def _paged_from_contiguous(
     return caches[0], caches[1], tables
 
 
+def hbm_peak_gbs(device_name: str) -> float:
+    """The vendor HBM peak for a device name (first matching key; H100 SXM if unknown)."""
+    return next((gbs for key, gbs in HBM_PEAK_GBS.items() if key in device_name), HBM_PEAK_GBS["H100"])
+
+
 def _bench(fn: Callable[[], object]) -> float:
+    """Median milliseconds. On CPU (gpu_check's --dry-run, interpreter) one timed call: proves the wiring only."""
+    if not torch.cuda.is_available():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1000
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=100))  # ms, median
@@ -67,17 +95,24 @@ def _check(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
         sys.exit(f"{name}: triton and SDPA disagree (max abs error {err:.3e}); not benchmarking a wrong kernel")
 
 
-def _decode_case(batch: int, ctx: int, block_size: int, peak_gbs: float) -> dict[str, float]:
-    from kernels import choose_num_splits, decode_attention
+def _num_sms() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
 
+
+def _decode_case(
+    shape: AttnShape, batch: int, ctx: int, block_size: int, peak_gbs: float, device: str
+) -> dict[str, float]:
+    from kernels.triton import choose_num_splits, decode_attention
+
+    NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = shape.num_heads, shape.num_kv_heads, shape.head_dim
     scale = HEAD_DIM**-0.5
-    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    k = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_DIM, dtype=DTYPE, device="cuda")
+    q = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device=device)
+    k = torch.randn(batch, NUM_KV_HEADS, ctx, HEAD_DIM, dtype=DTYPE, device=device)
     v = torch.randn_like(k)
     k_cache, v_cache, tables = _paged_from_contiguous(k, v, block_size)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     out = torch.empty_like(q)
-    splits = choose_num_splits(batch, NUM_KV_HEADS, ctx, torch.cuda.get_device_properties(0).multi_processor_count)
+    splits = choose_num_splits(batch, NUM_KV_HEADS, ctx, _num_sms())
 
     def triton_fn(num_splits: int | None = None) -> torch.Tensor:
         return decode_attention(q, k_cache, v_cache, tables, lens, scale, ctx, out=out, num_splits=num_splits)
@@ -105,17 +140,28 @@ def _decode_case(batch: int, ctx: int, block_size: int, peak_gbs: float) -> dict
     }
 
 
-def bench_decode(block_size: int, peak_gbs: float) -> list[dict[str, float]]:
-    print(f"\n== decode: {NUM_HEADS} q heads / {NUM_KV_HEADS} kv heads, head dim {HEAD_DIM}, bf16, block {block_size}")
+def bench_decode(
+    shape: AttnShape,
+    block_size: int,
+    peak_gbs: float,
+    batches: tuple[int, ...] = DECODE_BATCHES,
+    contexts: tuple[int, ...] = DECODE_CONTEXTS,
+    device: str = "cuda",
+) -> list[dict[str, float]]:
+    print(
+        f"\n== decode: {shape.num_heads} q heads / {shape.num_kv_heads} kv heads, head dim {shape.head_dim}, bf16, "
+        f"block {block_size}"
+    )
     print(
         f"{'batch':>6} {'ctx':>6} {'splits':>6} {'triton ms':>10} {'GB/s':>8} {'% peak':>7} "
         f"{'no-split ms':>11} {'sdpa ms':>9} {'sdpa GB/s':>10}"
     )
     rows = []
-    for batch in DECODE_BATCHES:
-        for ctx in DECODE_CONTEXTS:
-            r = _decode_case(batch, ctx, block_size, peak_gbs)
-            torch.cuda.empty_cache()
+    for batch in batches:
+        for ctx in contexts:
+            r = _decode_case(shape, batch, ctx, block_size, peak_gbs, device)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             rows.append(r)
             print(
                 f"{batch:>6} {ctx:>6} {r['splits']:>6} {r['triton_ms']:>10.4f} {r['triton_gbs']:>8.0f} "
@@ -124,18 +170,19 @@ def bench_decode(block_size: int, peak_gbs: float) -> list[dict[str, float]]:
     return rows
 
 
-def _prefill_case(seqs: int, ctx: int, qlen: int, block_size: int) -> dict[str, float]:
-    from kernels import prefill_attention
+def _prefill_case(shape: AttnShape, seqs: int, ctx: int, qlen: int, block_size: int, device: str) -> dict[str, float]:
+    from kernels.triton import prefill_attention
 
+    NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = shape.num_heads, shape.num_kv_heads, shape.head_dim
     scale = HEAD_DIM**-0.5
     total = ctx + qlen
-    q = torch.randn(seqs, NUM_HEADS, qlen, HEAD_DIM, dtype=DTYPE, device="cuda")
-    k = torch.randn(seqs, NUM_KV_HEADS, total, HEAD_DIM, dtype=DTYPE, device="cuda")
+    q = torch.randn(seqs, NUM_HEADS, qlen, HEAD_DIM, dtype=DTYPE, device=device)
+    k = torch.randn(seqs, NUM_KV_HEADS, total, HEAD_DIM, dtype=DTYPE, device=device)
     v = torch.randn_like(k)
     k_cache, v_cache, tables = _paged_from_contiguous(k, v, block_size)
     q_flat = q.transpose(1, 2).reshape(seqs * qlen, NUM_HEADS, HEAD_DIM).contiguous()
-    starts = torch.arange(0, (seqs + 1) * qlen, qlen, dtype=torch.int32, device="cuda")
-    lens = torch.full((seqs,), total, dtype=torch.int32, device="cuda")
+    starts = torch.arange(0, (seqs + 1) * qlen, qlen, dtype=torch.int32, device=device)
+    lens = torch.full((seqs,), total, dtype=torch.int32, device=device)
     out = torch.empty_like(q_flat)
     # SDPA's is_causal is top-left aligned: right only without context. With context it needs an explicit
     # (bottom-right aligned) mask, which flash does not take: give the mem-efficient kernel K/V expanded to all query
@@ -143,7 +190,7 @@ def _prefill_case(seqs: int, ctx: int, qlen: int, block_size: int) -> dict[str, 
     mask = None
     k_sdpa, v_sdpa = k, v
     if ctx > 0:
-        mask = torch.arange(total, device="cuda")[None, :] <= torch.arange(ctx, total, device="cuda")[:, None]
+        mask = torch.arange(total, device=device)[None, :] <= torch.arange(ctx, total, device=device)[:, None]
         group = NUM_HEADS // NUM_KV_HEADS
         k_sdpa, v_sdpa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
@@ -172,13 +219,22 @@ def _prefill_case(seqs: int, ctx: int, qlen: int, block_size: int) -> dict[str, 
     }
 
 
-def bench_prefill(block_size: int) -> list[dict[str, float]]:
-    print(f"\n== prefill (causal): {NUM_HEADS} q heads / {NUM_KV_HEADS} kv heads, head dim {HEAD_DIM}, bf16")
+def bench_prefill(
+    shape: AttnShape,
+    block_size: int,
+    cases: tuple[tuple[int, int, int], ...] = PREFILL_CASES,
+    device: str = "cuda",
+) -> list[dict[str, float]]:
+    print(
+        f"\n== prefill (causal): {shape.num_heads} q heads / {shape.num_kv_heads} kv heads, "
+        f"head dim {shape.head_dim}, bf16"
+    )
     print(f"{'seqs':>5} {'ctx':>6} {'chunk':>6} {'triton ms':>10} {'TFLOP/s':>8} {'sdpa ms':>9} {'sdpa TFLOP/s':>12}")
     rows = []
-    for seqs, ctx, qlen in PREFILL_CASES:
-        r = _prefill_case(seqs, ctx, qlen, block_size)
-        torch.cuda.empty_cache()
+    for seqs, ctx, qlen in cases:
+        r = _prefill_case(shape, seqs, ctx, qlen, block_size, device)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         rows.append(r)
         print(
             f"{seqs:>5} {ctx:>6} {qlen:>6} {r['triton_ms']:>10.4f} {r['triton_tflops']:>8.1f} "
@@ -189,7 +245,8 @@ def bench_prefill(block_size: int) -> list[dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hbm-peak-gbs", type=float, default=3350.0, help="HBM peak in GB/s (H100 SXM: 3350)")
+    parser.add_argument("--shapes", default="llama8b", help=f"comma list of {sorted(SHAPES)}")
+    parser.add_argument("--hbm-peak-gbs", type=float, default=None, help="HBM peak in GB/s; default by device name")
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = parser.parse_args()
@@ -197,13 +254,17 @@ def main() -> None:
         sys.exit("kernels_bench.py needs a CUDA GPU: no CUDA device is visible (the CPU interpreter is far too slow).")
 
     torch.manual_seed(0)
-    print(f"device: {torch.cuda.get_device_name(0)}, HBM peak assumed {args.hbm_peak_gbs:.0f} GB/s")
-    results = {
-        "device": torch.cuda.get_device_name(0),
-        "hbm_peak_gbs": args.hbm_peak_gbs,
-        "decode": bench_decode(args.block_size, args.hbm_peak_gbs),
-        "prefill": bench_prefill(args.block_size),
-    }
+    name = torch.cuda.get_device_name(0)
+    peak = args.hbm_peak_gbs or hbm_peak_gbs(name)
+    print(f"device: {name}, HBM peak assumed {peak:.0f} GB/s")
+    results: dict[str, object] = {"device": name, "hbm_peak_gbs": peak}
+    for key in args.shapes.split(","):
+        shape = SHAPES[key]
+        results[key] = {
+            "shape": vars(shape),
+            "decode": bench_decode(shape, args.block_size, peak),
+            "prefill": bench_prefill(shape, args.block_size),
+        }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

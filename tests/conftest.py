@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import os
 
+from kernels.triton_mode import configure_triton_mode
+
 # NOTE: triton's own library functions are decorated when triton is first imported (transformers may import it),
-# so the interpreter switch must be set before anything else on a machine without a GPU.
-if not os.path.exists("/dev/nvidiactl"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# so the one interpreter-or-compiled decision is made before anything else imports it.
+configure_triton_mode()
 
-import pytest
-import torch
-
-from engine_core.model_loader import load_tokenizer, resolve_model_dir
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 CACHE_DIR = os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda"))
 
@@ -22,9 +21,14 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 @pytest.fixture(scope="session")
 def smollm2_dir() -> str:
     """HF directory of SmolLM2-135M-Instruct (converted from the packaged GGUF on first use)."""
+    # NOTE: imported here, not at the top, so the kernel tests also collect where only torch/triton/pytest exist.
+    from engine_core.model_loader import resolve_model_dir
+
     return resolve_model_dir(None, CACHE_DIR)
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir: str):
+    from engine_core.model_loader import load_tokenizer
+
     return load_tokenizer(smollm2_dir)

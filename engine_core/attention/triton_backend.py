@@ -1,7 +1,7 @@
 """The `triton` attention backend: paged K/V writes plus paged decode and prefill attention, all Triton kernels.
 
 Runs on CUDA tensors, and on CPU tensors through the Triton interpreter (slow, for tests and CPU-only machines;
-`kernels` switches the interpreter on by itself when no CUDA device is present).
+`kernels.triton_mode` switches the interpreter on when no CUDA device is present).
 
 NOTE: the prefill kernel reads a chunk's own K/V back from the cache after `store_kv`, so every token of a prefill
 chunk needs a real slot; -1 slots are for padding only. Padding rows after the last chunk, and decode rows with
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
-from kernels import decode_attention, prefill_attention, store_kv
+from kernels.triton import decode_attention, prefill_attention, store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -5,16 +5,24 @@ import itertools
 import pytest
 import torch
 
-from kernels import choose_num_splits, decode_attention
-from kernels.decode_attention import MAX_SPLITS, MIN_TOKENS_PER_SPLIT
 from kernels.reference import ref_decode_attention
-from tests.kernels.conftest import DEVICE, DTYPE_IDS, DTYPES, assert_close, boundary_lengths, make_paged_cache
+from kernels.triton import choose_num_splits, decode_attention
+from kernels.triton.decode_attention import MAX_SPLITS, MIN_TOKENS_PER_SPLIT
+from tests.kernels.conftest import (
+    CASE_DTYPES,
+    DEVICE,
+    DTYPE_IDS,
+    DTYPES,
+    assert_close,
+    boundary_lengths,
+    make_paged_cache,
+)
 
 # (block_size, head_dim, gqa group, dtype): the full product, with one KV head per group-of-queries test so the
 # interpreter stays quick. BLOCK_N is varied alongside: equal to, bigger than and smaller than the cache block.
 CASES = [
     pytest.param(bs, hd, g, dt, id=f"bs{bs}-d{hd}-gqa{g}-{DTYPE_IDS[dt]}")
-    for bs, hd, g, dt in itertools.product([16, 32], [64, 128], [1, 3, 4, 8], [torch.float32, torch.bfloat16])
+    for bs, hd, g, dt in itertools.product([16, 32], [64, 128], [1, 3, 4, 8], CASE_DTYPES)
 ]
 
 

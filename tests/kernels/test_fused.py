@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import fused_add_rms_norm, rms_norm, rotary_embedding_neox, silu_and_mul
 from kernels.reference import ref_fused_add_rms_norm, ref_rms_norm, ref_rotary_neox, ref_silu_and_mul
+from kernels.triton import fused_add_rms_norm, rms_norm, rotary_embedding_neox, silu_and_mul
 from tests.kernels.conftest import DEVICE, DTYPES, assert_close
 
 

@@ -5,14 +5,14 @@ import itertools
 import pytest
 import torch
 
-from kernels import prefill_attention
 from kernels.reference import ref_prefill_attention
-from tests.kernels.conftest import DEVICE, DTYPE_IDS, DTYPES, assert_close, make_paged_cache
+from kernels.triton import prefill_attention
+from tests.kernels.conftest import CASE_DTYPES, DEVICE, DTYPE_IDS, DTYPES, assert_close, make_paged_cache
 
 # (block_size, head_dim, gqa group, dtype): the full product, one KV head. BLOCK_M/BLOCK_N vary alongside.
 CASES = [
     pytest.param(bs, hd, g, dt, id=f"bs{bs}-d{hd}-gqa{g}-{DTYPE_IDS[dt]}")
-    for bs, hd, g, dt in itertools.product([16, 32], [64, 128], [1, 3, 4, 8], [torch.float32, torch.bfloat16])
+    for bs, hd, g, dt in itertools.product([16, 32], [64, 128], [1, 3, 4, 8], CASE_DTYPES)
 ]
 
 

@@ -5,15 +5,15 @@ import os
 import pytest
 import torch
 
-from kernels import store_kv
 from kernels.reference import ref_store_kv
+from kernels.triton import store_kv
 from tests.kernels.conftest import DEVICE, DTYPES
 
 
 def test_kernels_are_interpreted_without_cuda() -> None:
     from triton.runtime.interpreter import InterpretedFunction
 
-    from kernels.store_kv import _store_kv_kernel
+    from kernels.triton.store_kv import _store_kv_kernel
 
     if torch.cuda.is_available():
         pytest.skip("CUDA present: kernels are compiled")

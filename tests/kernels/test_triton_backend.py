@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from engine_core.attention.backend import AttentionMetadata, create_backend
 from engine_core.attention.triton_backend import TritonAttentionBackend
-from kernels import choose_num_splits
+from kernels.triton import choose_num_splits
 from tests.kernels.conftest import DEVICE, DTYPES, assert_close
 
 

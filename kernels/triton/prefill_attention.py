@@ -19,10 +19,19 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, last_dim_contiguous, mma, paged_cache_strides, pow2_at_least, use_fp32_dot
+from kernels.triton.common import (
+    LOG2E,
+    check_block_size,
+    last_dim_contiguous,
+    mma,
+    paged_cache_strides,
+    pow2_at_least,
+    use_fp32_dot,
+)
 
 
-@triton.jit
+# NOTE: the block-table width grows with the longest context of the step: no specialization on it (no recompiles).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -43,7 +52,7 @@ def _prefill_kernel(
     stride_bt,
     stride_ot,
     stride_oh,
-    block_size,
+    BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -84,8 +93,8 @@ def _prefill_kernel(
     for n0 in range(0, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        block = tl.load(block_table + pos // block_size, mask=n_mask, other=0).to(tl.int64)
-        offset = pos % block_size
+        block = tl.load(block_table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
         k_ptrs = k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptrs + offs_d[:, None], mask=d_mask[:, None] & n_mask[None, :], other=0.0)
         s = mma(q, k, DOT_FP32) * scale_log2  # [BLOCK_M, BLOCK_N], log2 domain
@@ -137,8 +146,8 @@ def prefill_attention(
     # NOTE: one program per *query* head: the GQA group re-reads the same K/V tile, but from L2 (programs of a group
     # are adjacent: heads are grid axis 0, the fastest-varying). Prefill is compute bound, so folding the group into
     # the M dimension would buy little here.
-    block_m = block_m or 64
-    block_n = block_n or 64
+    block_m = check_block_size("block_m", block_m or 64)
+    block_n = check_block_size("block_n", block_n or 64)
     grid = (num_heads, triton.cdiv(max_query_len, block_m), num_chunks)
     _prefill_kernel[grid](
         q,
@@ -155,7 +164,7 @@ def prefill_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        k_cache.shape[1],
+        BLOCK_SIZE=k_cache.shape[1],
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_M=block_m,

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import pow2_at_least
+from kernels.triton.common import pow2_at_least
 
 
 @triton.jit

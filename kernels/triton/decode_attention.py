@@ -13,24 +13,46 @@ Split-K (flash-decoding): with few (sequence, kv head) pairs the GPU would sit m
 programs walk long contexts, so the context is cut into `num_splits` ranges processed in parallel (grid axis 2); each
 writes its normalised partial output and log-sum-exp (fp32), and `_decode_reduce_kernel` (grid `(batch, num_heads)`)
 merges them. `choose_num_splits` picks the split count.
+
+No recompiles while sequences grow: the split count and the block-table width are runtime arguments that triton does
+not specialize on (`do_not_specialize`), and everything that is `constexpr` depends on the model and the engine
+config only, plus whether the step splits at all. So a whole run compiles at most two decode variants and one
+reduce variant (`plan_decode` returns exactly what selects the variant; tests/kernels check it stays in that set).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.common import LOG2E, last_dim_contiguous, mma, paged_cache_strides, pow2_at_least, use_fp32_dot
+from kernels.triton.common import (
+    LOG2E,
+    check_block_size,
+    last_dim_contiguous,
+    mma,
+    paged_cache_strides,
+    pow2_at_least,
+    use_fp32_dot,
+)
 
 # NOTE: a split below ~256 tokens costs more in partial-result traffic and the reduce launch than it wins in
 # parallelism; 64 splits bounds the partial buffers. Both are plain engineering guesses, easy to retune on a GPU.
 MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 64
 _DEFAULT_NUM_SMS = 132  # H100 SXM; used when there is no CUDA device (interpreter).
+# NOTE: 64 tokens per tile keeps a [64, 128] bf16 K tile (16 KiB) in flight per program; tl.dot needs N >= 16.
+DEFAULT_BLOCK_N = 64
+# Splits merged per step of the reduce kernel's loop (a fixed tile, so the split count can stay a runtime value).
+_REDUCE_BLOCK_S = 16
+# Runtime integers that change while sequences grow: triton must not specialize on them (value 1, divisibility by
+# 16), or each new value class would compile another variant mid-generation.
+DECODE_DO_NOT_SPECIALIZE = ("stride_bt", "num_splits")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DECODE_DO_NOT_SPECIALIZE)
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -52,14 +74,15 @@ def _decode_kernel(
     stride_bt,
     stride_ob,
     stride_oh,
-    block_size,
+    num_splits,
+    BLOCK_SIZE: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    USE_PARTIALS: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -76,14 +99,14 @@ def _decode_kernel(
     qo_mask = head_mask[:, None] & d_mask[None, :]
     q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :], mask=qo_mask, other=0.0)
 
-    if NUM_SPLITS == 1:
-        start = 0
-        end = seq_len
-    else:
+    if USE_PARTIALS:
         # Per-sequence split length, rounded to whole tiles, so short sequences in the batch split evenly too.
-        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
         start = split * split_len
         end = tl.minimum(start + split_len, seq_len)
+    else:
+        start = 0
+        end = seq_len
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -92,8 +115,9 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        block = tl.load(block_table + pos // block_size, mask=n_mask, other=0).to(tl.int64)
-        offset = pos % block_size
+        # NOTE: BLOCK_SIZE is a constexpr power of two, so these are a shift and a mask, not integer divisions.
+        block = tl.load(block_table + pos // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
+        offset = pos % BLOCK_SIZE
         kv_mask = d_mask[:, None] & n_mask[None, :]
         # K is loaded transposed ([head_dim, BLOCK_N]) straight from the cache, so the dot needs no tl.trans.
         k_ptrs = k_cache_ptr + block[None, :] * stride_kb + offset[None, :] * stride_kt + kv_head * stride_kh
@@ -114,27 +138,27 @@ def _decode_kernel(
     # and lse = -inf instead of 0/0.
     nonempty = l_i > 0
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qo_mask)
-    else:
-        # Partials are contiguous fp32: out [batch, heads, NUM_SPLITS, HEAD_DIM], lse [batch, heads, NUM_SPLITS].
-        row = (seq * NUM_HEADS + q_heads) * NUM_SPLITS + split
+    if USE_PARTIALS:
+        # Partials are contiguous fp32: out [batch, heads, num_splits, HEAD_DIM], lse [batch, heads, num_splits].
+        row = (seq * NUM_HEADS + q_heads) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=qo_mask)
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=head_mask)
+    else:
+        o_ptrs = out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=qo_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
     stride_ob,
     stride_oh,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     NUM_HEADS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -142,16 +166,30 @@ def _decode_reduce_kernel(
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
     d_mask = offs_d < HEAD_DIM
-    row = (seq * NUM_HEADS + head) * NUM_SPLITS + offs_s
-    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    m = tl.max(lse, 0)
+    base = (seq * NUM_HEADS + head) * num_splits
+    # Pass 1: the largest lse over all splits (lse is tiny next to the partial outputs).
+    m_vec = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s_mask = s0 + offs_s < num_splits
+        m_vec = tl.maximum(m_vec, tl.load(part_lse_ptr + base + s0 + offs_s, mask=s_mask, other=float("-inf")))
+    m = tl.max(m_vec, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty (seq_len == 0): weights become 0, output 0
-    w = tl.exp2(lse - m)
-    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :])
-    w_sum = tl.sum(w, 0)
-    o = tl.sum(o * w[:, None], 0) / tl.where(w_sum > 0, w_sum, 1.0)
+    # Pass 2: the lse-weighted sum of the partial outputs. Masked rows load 0 (not garbage that could be NaN, which
+    # a zero weight would not cancel).
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    w_vec = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        s_mask = s0 + offs_s < num_splits
+        rows = base + s0 + offs_s
+        w = tl.exp2(tl.load(part_lse_ptr + rows, mask=s_mask, other=float("-inf")) - m)
+        o = tl.load(
+            part_out_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
+        )
+        acc += tl.sum(o * w[:, None], 0)
+        w_vec += w
+    w_sum = tl.sum(w_vec, 0)
+    o = acc / tl.where(w_sum > 0, w_sum, 1.0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -173,6 +211,50 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     return max(1, min(wanted, max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """One decode launch: the grid's split count (a runtime value) and the compile-time constants, which alone pick
+    the compiled variant of `_decode_kernel` (with the dtypes)."""
+
+    num_splits: int
+    constexprs: tuple[tuple[str, int | bool], ...]
+
+
+def plan_decode(
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    max_seq_len: int,
+    dot_fp32: bool,
+    num_sms: int = _DEFAULT_NUM_SMS,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+) -> DecodePlan:
+    """The split count (`choose_num_splits` unless given) and the kernel's constexprs for one decode launch."""
+    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    check_block_size("block_n", DEFAULT_BLOCK_N if block_n is None else block_n)
+    check_block_size("block_size", block_size, minimum=1)
+    group = num_heads // num_kv_heads
+    constexprs = (
+        ("BLOCK_SIZE", block_size),
+        ("GROUP", group),
+        ("HEAD_DIM", head_dim),
+        ("NUM_HEADS", num_heads),
+        ("BLOCK_H", pow2_at_least(group, 16)),
+        ("BLOCK_D", pow2_at_least(head_dim, 16)),
+        ("BLOCK_N", DEFAULT_BLOCK_N if block_n is None else block_n),
+        ("USE_PARTIALS", num_splits > 1),
+        ("DOT_FP32", dot_fp32),
+    )
+    return DecodePlan(num_splits, constexprs)
+
+
 def decode_attention(
     q: torch.Tensor,  # [batch, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -183,16 +265,30 @@ def decode_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,  # [batch, num_heads, head_dim]; any strides with a contiguous head_dim
     num_splits: int | None = None,  # None = choose_num_splits
-    block_n: int | None = None,  # context tokens per tile (power of two >= 16); None = 64
+    block_n: int | None = None,  # context tokens per tile (power of two >= 16); None = DEFAULT_BLOCK_N
 ) -> torch.Tensor:
-    """Attention of each sequence's single query token over its paged context. Returns `out`."""
+    """Attention of each sequence's single query token over its paged context. Returns `out`.
+
+    `max_seq_len` only feeds the split heuristic; a fixed `num_splits` (as a CUDA graph needs: its grid is frozen at
+    capture) is correct for any context length, since each sequence divides its own context.
+    """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
     assert k_cache.shape == v_cache.shape and k_cache.shape[3] == head_dim, (k_cache.shape, q.shape)
     # NOTE: no quantised (fp8) cache yet: tl.dot needs both operands in one dtype.
     assert k_cache.dtype == v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
-    group = num_heads // num_kv_heads
+    plan = plan_decode(
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        k_cache.shape[1],
+        max_seq_len,
+        use_fp32_dot(q),
+        _num_sms(q.device),
+        num_splits,
+        block_n,
+    )
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1, (out.shape, out.stride())
@@ -200,27 +296,13 @@ def decode_attention(
         return out
     q, k_cache, v_cache = last_dim_contiguous(q), last_dim_contiguous(k_cache), last_dim_contiguous(v_cache)
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device))
-    block_d = pow2_at_least(head_dim, 16)
-    # NOTE: 64 tokens per tile keeps a [64, 128] bf16 K tile (16 KiB) in flight per program; tl.dot needs N >= 16.
-    block_n = block_n or 64
-    common = {
-        "GROUP": group,
-        "HEAD_DIM": head_dim,
-        "NUM_HEADS": num_heads,
-        "BLOCK_H": pow2_at_least(group, 16),
-        "BLOCK_D": block_d,
-        "BLOCK_N": block_n,
-        "NUM_SPLITS": num_splits,
-        "DOT_FP32": use_fp32_dot(q),
-    }
-    if num_splits == 1:
+    splits = plan.num_splits
+    if splits == 1:
         part_out = part_lse = out  # unused placeholders
     else:
-        part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-        part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        part_out = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, num_kv_heads, splits)](
         q,
         k_cache,
         v_cache,
@@ -236,20 +318,20 @@ def decode_attention(
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
-        k_cache.shape[1],
-        **common,
+        splits,
+        **dict(plan.constexprs),
     )
-    if num_splits > 1:
+    if splits > 1:
         _decode_reduce_kernel[(batch, num_heads)](
             part_out,
             part_lse,
             out,
             out.stride(0),
             out.stride(1),
+            splits,
             HEAD_DIM=head_dim,
             NUM_HEADS=num_heads,
-            NUM_SPLITS=num_splits,
-            BLOCK_S=pow2_at_least(num_splits),
-            BLOCK_D=block_d,
+            BLOCK_S=_REDUCE_BLOCK_S,
+            BLOCK_D=pow2_at_least(head_dim, 16),
         )
     return out

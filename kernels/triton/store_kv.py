@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.common import last_dim_contiguous, paged_cache_strides, pow2_at_least
+from kernels.triton.common import last_dim_contiguous, paged_cache_strides, pow2_at_least
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _store_kv_kernel(
     stride_vcb,
     stride_vct,
     stride_vch,
-    block_size,
+    BLOCK_SIZE: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -41,8 +41,8 @@ def _store_kv_kernel(
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
-    block = slot // block_size
-    offset = slot % block_size
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)
@@ -84,7 +84,7 @@ def store_kv(
         v.stride(0),
         v.stride(1),
         *paged_cache_strides(k_cache, v_cache),
-        k_cache.shape[1],
+        BLOCK_SIZE=k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=pow2_at_least(num_kv_heads),

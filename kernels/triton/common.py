@@ -35,6 +35,16 @@ def use_fp32_dot(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 or not t.is_cuda
 
 
+def check_block_size(field: str, value: int, minimum: int = 16) -> int:
+    """A tile extent given by a caller: `tl.arange` needs a power of two, `tl.dot` a dimension >= 16.
+
+    Raises ValueError naming the field, instead of the compiler's error deep inside the kernel.
+    """
+    if value < minimum or value & (value - 1):
+        raise ValueError(f"{field} must be a power of two >= {minimum}, got {value}")
+    return value
+
+
 def pow2_at_least(n: int, floor: int = 1) -> int:
     """Next power of two >= max(n, floor); `tl.arange` extents must be powers of two, `tl.dot` dims >= 16."""
     return max(triton.next_power_of_2(max(n, 1)), floor)
