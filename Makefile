@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pagoda-installed
 PYTEST_ARGS ?=
 
-.PHONY: install proto kernels test test-fast serve bench lint format clean
+.PHONY: install proto kernels test test-fast serve bench gpu-check gpu-wheels lint format clean
 
 install: $(STAMP)
 
@@ -35,6 +35,19 @@ serve: install proto
 
 bench: install kernels
 	$(PY) benchmarks/offline_throughput.py
+
+# One device call on a GPU machine (no registry there): the Triton kernels compiled, tested, compared and benchmarked;
+# results as JSON in $(GPU_CHECK_OUT). No `install` prerequisite: it runs with the machine's own torch/triton/
+# transformers, plus structlog from `make gpu-wheels` (recipe in docs/kernels.md).
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_CHECK_OUT ?= $(if $(OUT),$(OUT),gpu_check_out)
+gpu-check:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
+
+# Here, with a registry: the pure-Python packages the engine needs that the GPU image lacks, as wheels in .whl/.
+GPU_WHEELS := structlog==26.1.0
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl $(GPU_WHEELS)
 
 lint: install
 	$(VENV)/bin/ruff check .

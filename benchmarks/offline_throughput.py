@@ -4,7 +4,9 @@ Workload: 64 requests of random token ids, prompt lengths uniform in [64, 512], 
 [32, 256], greedy, ignore_eos, fixed seed. Also a batch-1 latency case (prompt 128, 128 new tokens).
 Prints a table and appends one JSON line to benchmarks/results/offline_throughput.jsonl.
 
-    python benchmarks/offline_throughput.py [--skip-hf] [--threads 2]
+    python benchmarks/offline_throughput.py [--skip-hf] [--threads 2] [--device cuda --dtype bfloat16]
+
+`benchmarks/gpu_check.py` calls `run_pagoda` / `run_hf` on a GPU with a random-weight SmolLM2-shaped model.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def run_pagoda(wl: Workload, args: argparse.Namespace) -> tuple[Result, list[lis
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        device=args.device,
+        dtype=args.dtype,
     )
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
@@ -94,15 +98,16 @@ def pagoda_batch1(llm: object, args: argparse.Namespace) -> float:
 def run_hf(wl: Workload, args: argparse.Namespace, model_dir: str) -> Result:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    device = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device).eval()
     pad = 0
     t0 = time.perf_counter()
     for start in range(0, len(wl.prompts), args.hf_batch):
         batch = wl.prompts[start : start + args.hf_batch]
         new = max(wl.output_lens[start : start + args.hf_batch])
         width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
         with torch.no_grad():
             model.generate(
                 input_ids=ids,
@@ -114,7 +119,7 @@ def run_hf(wl: Workload, args: argparse.Namespace, model_dir: str) -> Result:
             )
     dt = time.perf_counter() - t0
     res = Result("transformers", dt, wl.total_tokens / dt, wl.output_tokens / dt)
-    prompt = torch.tensor([[random.Random(7).randrange(1000, 20000) for _ in range(args.batch1_prompt)]])
+    prompt = torch.tensor([[random.Random(7).randrange(1000, 20000) for _ in range(args.batch1_prompt)]], device=device)
     with torch.no_grad():
         t0 = time.perf_counter()
         model.generate(input_ids=prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=pad)
@@ -139,6 +144,8 @@ def main() -> None:
     ap.add_argument("--batch1-prompt", type=int, default=128)
     ap.add_argument("--batch1-tokens", type=int, default=128)
     ap.add_argument("--skip-hf", action="store_true", help="measure Pagoda only")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (both systems)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (both systems)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 

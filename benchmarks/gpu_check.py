@@ -1,0 +1,384 @@
+"""`make gpu-check`: what the first session with a GPU runs, in one device call, with every result written as JSON.
+
+Sections, in order (each is recorded as ok / fail / skipped with its numbers; a failing section does not stop the
+ones after it, and the JSON file is rewritten after each, so a run cut short still returns what it measured):
+
+1. `environment`  versions and the device; on CUDA asserts the Triton kernels are compiled, not interpreted.
+2. `kernel_tests` `pytest tests/kernels` on the device (CUDA tensors, fp32 / bf16 / fp16 against the torch
+                  references), in a subprocess.
+3. `variants`     a decode growing from 1 to 4096 tokens adds no compiled variants after the first two (counts the
+                  kernels' own caches: this is what the CPU tests can only model).
+4. `greedy`       a random-weight model with SmolLM2-135M's shapes: greedy tokens of the Triton backend == torch
+                  backend == transformers in float32 (asserted), and Triton vs torch in bfloat16 (reported).
+5. `kernel_bench` `benchmarks/kernels_bench.py` at SmolLM2 and Llama-3-8B attention shapes: decode as a fraction of
+                  the HBM peak, prefill TFLOP/s, both against SDPA.
+6. `throughput`   `benchmarks/offline_throughput.py`'s workload, Pagoda vs transformers, on the same GPU, bf16.
+
+It needs only what the device image has (torch, triton, transformers, pytest) plus structlog, which travels as a
+wheel (`make gpu-wheels`, then carry `.whl`; recipe in docs/kernels.md). No weights, no tokenizer files, no network:
+the model and a word-level tokenizer are generated here.
+
+    python benchmarks/gpu_check.py --out DIR [--budget-s 540]
+    python benchmarks/gpu_check.py --dry-run --out DIR    # CPU, Triton interpreter, tiny shapes: wiring only
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# NOTE: the one interpreter-or-compiled decision, before anything (transformers) imports triton.
+from kernels.triton_mode import configure_triton_mode  # noqa: E402
+
+INTERPRETED = configure_triton_mode()
+
+import torch  # noqa: E402
+
+# SmolLM2-135M's architecture (config.json of HuggingFaceTB/SmolLM2-135M-Instruct), with random weights.
+SMOLLM2_SHAPES = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+}
+# --dry-run: the same code paths at a size the interpreter gets through in seconds.
+TINY_SHAPES = SMOLLM2_SHAPES | {"hidden_size": 144, "intermediate_size": 128, "num_hidden_layers": 2, "head_dim": 16}
+# NOTE: a wide weight init makes the logits peaky, so argmax is decided by the model, not by rounding noise (the
+# greedy comparison of two correct implementations would otherwise flip on near-ties).
+INIT_RANGE = 0.2
+
+
+@dataclass
+class Check:
+    """Shared by the sections: where results go, the device, and the time left."""
+
+    out_dir: Path
+    dry_run: bool
+    deadline: float
+    device: str = "cuda"
+    results: dict[str, dict[str, object]] = field(default_factory=dict)
+    _model_dir: Path | None = None
+
+    @property
+    def shapes(self) -> dict[str, object]:
+        return TINY_SHAPES if self.dry_run else SMOLLM2_SHAPES
+
+    def time_left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def model_dir(self) -> Path:
+        if self._model_dir is None:
+            self._model_dir = build_random_model(Path(tempfile.mkdtemp(prefix="gpu_check_model_")), self.shapes)
+        return self._model_dir
+
+    def write(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "gpu_check.json").write_text(json.dumps(self.results, indent=2, default=str))
+
+
+def build_random_model(path: Path, shapes: dict[str, object]) -> Path:
+    """A seeded random-weight Llama with `shapes`, and a word-level tokenizer over its vocabulary (`t0` ... `tN`)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    config = LlamaConfig(**shapes, initializer_range=INIT_RANGE)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    vocab = {f"t{i}": i for i in range(int(shapes["vocab_size"]))}  # type: ignore[call-overload]
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    eos = f"t{len(vocab) - 1}"
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token=eos).save_pretrained(path)
+    return path
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# ---- sections ------------------------------------------------------------------------------------------------------
+def section_environment(c: Check) -> dict[str, object]:
+    import transformers
+    import triton
+
+    info: dict[str, object] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "triton_interpreted": INTERPRETED,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info |= {"device": props.name, "sms": props.multi_processor_count, "memory_gib": props.total_memory / 2**30}
+    kernels = _triton_kernels()
+    info["kernel_classes"] = sorted({type(k).__name__ for k in kernels.values()})
+    if not c.dry_run:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        assert torch.cuda.is_available(), "no CUDA device visible (run with --dry-run to check the wiring on CPU)"
+        assert not INTERPRETED, "TRITON_INTERPRET is on: the kernels would be interpreted on a GPU machine"
+        bad = [name for name, k in kernels.items() if isinstance(k, InterpretedFunction)]
+        assert not bad, f"interpreted kernels on a GPU: {bad}"
+    return info
+
+
+def _triton_kernels() -> dict[str, object]:
+    mods = ["decode_attention", "prefill_attention", "store_kv", "fused"]
+    found = {}
+    for m in mods:
+        module = importlib.import_module(f"kernels.triton.{m}")
+        found |= {f"{m}.{k}": v for k, v in vars(module).items() if k.startswith("_") and k.endswith("_kernel")}
+    return found
+
+
+_MODE_TEST = "test_triton_mode.py::test_device_follows_the_one_decision"
+
+
+def section_kernel_tests(c: Check) -> dict[str, object]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    if c.dry_run:  # two cheap tests prove the subprocess wiring
+        cmd += [f"tests/kernels/{t}" for t in ("test_store_kv.py::test_store_kv_all_skipped_and_empty", _MODE_TEST)]
+    else:
+        cmd.append("tests/kernels")
+    if not c.dry_run and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", "8"]  # compiling the variants is the slow part, and it is CPU work: spread it
+    timeout = max(30.0, c.time_left() - 15)
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    tail = (proc.stdout + proc.stderr)[-4000:]
+    summary = next((ln for ln in reversed(proc.stdout.splitlines()) if " passed" in ln or " failed" in ln), "")
+    result = {
+        "returncode": proc.returncode,
+        "summary": summary,
+        "pytest_seconds": round(time.monotonic() - t0, 1),
+        "tail": tail,
+    }
+    assert proc.returncode == 0, f"kernel tests failed: {summary}"
+    return result
+
+
+def section_variants(c: Check) -> dict[str, object]:
+    """Compiled-variant counts of the decode kernels while one batch's context grows (the real triton caches)."""
+    from kernels.triton import decode_attention
+
+    mod = importlib.import_module("kernels.triton.decode_attention")
+    if INTERPRETED:
+        return {"skipped": "interpreter has no compile cache; tests/kernels/test_no_recompiles.py models it"}
+
+    def cached(kernel: object) -> int:
+        caches = kernel.device_caches[torch.cuda.current_device()]  # type: ignore[attr-defined]
+        return len(caches[0])  # (kernel_cache, ...): one entry per compiled variant
+
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    max_len = 4096
+    num_blocks = max_len // block
+    kv = torch.randn(2, num_blocks, block, kv_heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32)[None]
+    q = torch.randn(1, heads, head_dim, dtype=torch.bfloat16, device="cuda")
+    before = (cached(mod._decode_kernel), cached(mod._decode_reduce_kernel))
+    splits = set()
+    for n in range(1, max_len + 1, 7):
+        width = -(-n // block)
+        lens = torch.tensor([n], dtype=torch.int32, device="cuda")
+        splits.add(mod.choose_num_splits(1, kv_heads, n, torch.cuda.get_device_properties(0).multi_processor_count))
+        decode_attention(q, kv[0], kv[1], table[:, :width], lens, 0.125, n)
+    _sync()
+    after = (cached(mod._decode_kernel), cached(mod._decode_reduce_kernel))
+    new = (after[0] - before[0], after[1] - before[1])
+    result = {"split_counts_seen": sorted(splits), "new_decode_variants": new[0], "new_reduce_variants": new[1]}
+    assert new[0] <= 2 and new[1] <= 1, f"decode recompiled while the sequence grew: {result}"
+    return result
+
+
+def _greedy_pagoda(
+    model_dir: Path, device: str, backend: str, dtype: str, prompts: list[list[int]], n: int
+) -> list[list[int]]:
+    from engine_core import LLM, SamplingParams
+
+    llm = LLM(
+        str(model_dir),
+        device=device,
+        attention_backend=backend,
+        dtype=dtype,
+        num_kv_blocks=512,
+        max_num_batched_tokens=256,
+    )
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    del llm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _greedy_hf(model_dir: Path, device: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    result = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=device)
+            out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            result.append(out[0, len(p) :].tolist())
+    del model
+    return result
+
+
+def section_greedy(c: Check) -> dict[str, object]:
+    model_dir = c.model_dir()
+    gen = torch.Generator().manual_seed(1)
+    vocab = int(c.shapes["vocab_size"])  # type: ignore[call-overload]
+    lengths = (1, 7, 17, 40) if c.dry_run else (1, 7, 16, 17, 40, 70, 300, 600)
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    n = 4 if c.dry_run else 32
+    hf = _greedy_hf(model_dir, c.device, prompts, n)
+    fp32 = {b: _greedy_pagoda(model_dir, c.device, b, "float32", prompts, n) for b in ("triton", "torch")}
+    result: dict[str, object] = {
+        "prompt_lengths": list(lengths),
+        "new_tokens": n,
+        "float32_triton_eq_torch_eq_transformers": fp32["triton"] == fp32["torch"] == hf,
+    }
+    if not c.dry_run:  # bf16 agreement is a measurement: two correct bf16 implementations may part after a while
+        bf16 = {b: _greedy_pagoda(model_dir, c.device, b, "bfloat16", prompts, n) for b in ("triton", "torch")}
+        agree = [
+            next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), n)
+            for x, y in zip(bf16["triton"], bf16["torch"], strict=True)
+        ]
+        result["bfloat16_triton_vs_torch_tokens_agreeing_per_prompt"] = agree
+    assert result["float32_triton_eq_torch_eq_transformers"], {"hf": hf, **fp32}
+    return result
+
+
+def section_kernel_bench(c: Check) -> dict[str, object]:
+    bench = importlib.import_module("benchmarks.kernels_bench")
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (dry run)"
+    peak = bench.hbm_peak_gbs(name)
+    torch.manual_seed(0)
+    result: dict[str, object] = {"device": name, "hbm_peak_gbs": peak}
+    for key in ("smollm2", "llama8b"):
+        shape = bench.SHAPES[key]
+        if c.dry_run:
+            decode = bench.bench_decode(shape, 16, peak, batches=(2,), contexts=(40,), device=c.device)
+            prefill = bench.bench_prefill(shape, 16, cases=((1, 8, 16),), device=c.device)
+        else:
+            decode = bench.bench_decode(shape, 16, peak, device=c.device)
+            prefill = bench.bench_prefill(shape, 16, device=c.device)
+        best = max(r["pct_peak"] for r in decode)
+        result[key] = {"decode": decode, "prefill": prefill, "best_decode_pct_of_hbm_peak": best}
+    return result
+
+
+def section_throughput(c: Check) -> dict[str, object]:
+    bench = importlib.import_module("benchmarks.offline_throughput")
+    dtype = "float32" if c.dry_run else "bfloat16"
+    args = argparse.Namespace(
+        model=str(c.model_dir()),
+        kv_cache_memory=1.0,
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        hf_batch=16,
+        batch1_prompt=16 if c.dry_run else 128,
+        batch1_tokens=4 if c.dry_run else 128,
+        device=c.device,
+        dtype=dtype,
+    )
+    vocab = int(c.shapes["vocab_size"])  # type: ignore[call-overload]
+    if c.dry_run:
+        wl = bench.make_workload(3, 0, vocab, (4, 12), (2, 5))
+    else:
+        wl = bench.make_workload(64, 0, vocab, (64, 512), (32, 256))
+    pagoda, _ = bench.run_pagoda(wl, args)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    hf = bench.run_hf(wl, args, str(c.model_dir()))
+    return {
+        "dtype": dtype,
+        "requests": len(wl.prompts),
+        "total_tokens": wl.total_tokens,
+        "pagoda": vars(pagoda),
+        "transformers": vars(hf),
+        "ratio_total_tok_s": pagoda.total_tok_s / hf.total_tok_s,
+    }
+
+
+# Section name, function, seconds it needs at least (on a GPU) to be worth starting.
+# NOTE: the kernel tests run last: they compile ~100 kernel variants (minutes), and greedy equality and the
+# benchmark's own SDPA checks already exercise every kernel, so they are what a short budget keeps.
+SECTIONS: list[tuple[str, Callable[[Check], dict[str, object]], float]] = [
+    ("environment", section_environment, 0),
+    ("variants", section_variants, 20),
+    ("greedy", section_greedy, 60),
+    ("kernel_bench", section_kernel_bench, 90),
+    ("throughput", section_throughput, 90),
+    ("kernel_tests", section_kernel_tests, 60),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out", help="folder for gpu_check.json")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting sections after this many seconds")
+    ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes: wiring only")
+    ap.add_argument("--only", default=None, help="comma list of sections to run (default: all)")
+    args = ap.parse_args(argv)
+    if importlib.util.find_spec("structlog") is None:
+        sys.exit("structlog is missing: run `make gpu-wheels` here and carry .whl (docs/kernels.md, GPU check)")
+    check = Check(
+        out_dir=Path(args.out),
+        dry_run=args.dry_run,
+        deadline=time.monotonic() + args.budget_s,
+        device="cpu" if args.dry_run else "cuda",
+    )
+    wanted = set(args.only.split(",")) if args.only else {name for name, _, _ in SECTIONS}
+    failed = []
+    for name, fn, needs in SECTIONS:
+        if name not in wanted:
+            continue
+        if not args.dry_run and check.time_left() < needs:
+            check.results[name] = {"status": "skipped", "reason": f"{check.time_left():.0f} s left, needs {needs}"}
+            check.write()
+            continue
+        print(f"== {name}", flush=True)
+        t0 = time.monotonic()
+        try:
+            res = fn(check)
+            status = "skipped" if "skipped" in res else "ok"
+        except Exception as e:  # a failed section is recorded and the next one still runs
+            res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            status = "fail"
+            failed.append(name)
+        check.results[name] = {"status": status, "seconds": round(time.monotonic() - t0, 1), **res}
+        check.write()
+        print(f"   {status} in {check.results[name]['seconds']} s", flush=True)
+    print(f"wrote {check.out_dir / 'gpu_check.json'}; failed: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

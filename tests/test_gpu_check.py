@@ -1,0 +1,39 @@
+"""`make gpu-check`'s script, end to end on CPU (`--dry-run`: Triton interpreter, tiny shapes): every section runs
+and lands in the JSON report. What it measures on a GPU is not checked here, only that it gets there."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_dry_run_writes_every_section(tmp_path: Path) -> None:
+    sys.path.insert(0, str(ROOT))
+    gpu_check = importlib.import_module("benchmarks.gpu_check")
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert list(report) == [name for name, _, _ in gpu_check.SECTIONS]
+    expected_variants = "skipped" if gpu_check.INTERPRETED else "ok"
+    assert {k: v["status"] for k, v in report.items()} == {
+        "environment": "ok",
+        "variants": expected_variants,
+        "greedy": "ok",
+        "kernel_bench": "ok",
+        "throughput": "ok",
+        "kernel_tests": "ok",
+    }
+    assert report["environment"]["triton_interpreted"] == (not torch.cuda.is_available())
+    assert report["greedy"]["float32_triton_eq_torch_eq_transformers"] is True
+    for shape in ("smollm2", "llama8b"):
+        (row,) = report["kernel_bench"][shape]["decode"]
+        assert row["triton_ms"] > 0 and row["splits"] >= 1
+        assert len(report["kernel_bench"][shape]["prefill"]) == 1
+    assert report["throughput"]["pagoda"]["output_tok_s"] > 0
+    assert report["throughput"]["transformers"]["output_tok_s"] > 0
+    assert "2 passed" in report["kernel_tests"]["summary"]
