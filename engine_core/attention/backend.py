@@ -35,6 +35,9 @@ class AttentionMetadata:
     # Host copies for backends that loop over prefill chunks on the CPU.
     prefill_query_lens_cpu: list[int]
     prefill_seq_lens_cpu: list[int]
+    # Split-K count of the Triton decode kernel; None = chosen per step from max_decode_seq_len. A CUDA graph fixes it
+    # at capture (engine_core/cuda_graphs.py).
+    decode_num_splits: int | None = None
 
     @property
     def num_tokens(self) -> int:

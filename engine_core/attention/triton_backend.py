@@ -45,6 +45,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self.scale,
                 meta.max_decode_seq_len,
                 out=out[:num_decodes],
+                num_splits=meta.decode_num_splits,
             )
         # NOTE: the host-side query lengths give the prefill token count without a device sync.
         end = num_decodes + sum(meta.prefill_query_lens_cpu)
