@@ -88,6 +88,8 @@ class ModelRunner:
             self.model.use_cpu_gemms()
             if cpu_kernels.available():
                 self.model.use_native_ops()
+        if backend.name == "triton":
+            self.model.use_triton_ops()
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
         log.info("model loaded", architecture=arch, dtype=config.dtype, seconds=round(time.perf_counter() - t0, 2))
         elt = torch.tensor([], dtype=self.dtype).element_size()

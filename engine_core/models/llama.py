@@ -6,7 +6,9 @@ reads and writes K/V in the paged cache. Q/K/V and gate/up projections are fused
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -24,12 +26,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.native = False  # fused native op (CPU float32), see LlamaForCausalLM.use_native_ops
+        self.triton: ModuleType | None = None  # `kernels.triton` when fused (CUDA), see LlamaForCausalLM.use_triton_ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual): the residual add is fused into the norm call.
 
-        NOTE: the native op works in place: x is always a fresh projection output here, never a view of an input.
+        NOTE: the native and Triton ops update the residual in place: x is always a fresh projection output here,
+        and the residual a tensor of this forward (the embedding output, then the running sum).
         """
+        if self.triton is not None:
+            if residual is None:
+                return self.triton.rms_norm(x, self.weight, self.eps), x
+            return self.triton.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if self.native:
             if residual is None:
                 out = x.clone()
@@ -92,6 +100,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
         self.native = False
+        self.triton: ModuleType | None = None
 
     def forward(
         self,
@@ -111,7 +120,11 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if not self.native:
+        if self.triton is not None:  # in place on the q/k views of qkv, one kernel each
+            cos, sin = cos_sin
+            half = cos.shape[-1] // 2
+            self.triton.rotary_embedding_neox(None, q, k, cos.view(t, -1)[:, :half], sin.view(t, -1)[:, :half])
+        elif not self.native:
             q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
         out = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.q_size))
@@ -126,9 +139,12 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
         self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
         self.native = False
+        self.triton: ModuleType | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.triton is not None:
+            return self.down_proj(self.triton.silu_and_mul(gate_up))
         if self.native:
             return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
@@ -212,6 +228,20 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
             self.lm_head.weight = self.embed_tokens.weight
         use_cpu_linears(self)
+
+    def use_triton_ops(self) -> None:
+        """With the `triton` attention backend: RMSNorm (+ residual add), rotary and SiLU-and-mul run as fused Triton
+        kernels (kernels/triton/fused.py) instead of ~3-6 eager torch kernels each: one launch per op per layer.
+
+        They replace the native CPU ops where both were switched on (the `triton` backend on CPU, interpreted: tests).
+
+        NOTE: imported here, not at the top, so that the CPU engine never imports Triton.
+        """
+        ops = importlib.import_module("kernels.triton")
+        for module in self.modules():
+            if isinstance(module, RMSNorm | Attention | MLP):
+                module.triton = ops
+                module.native = False
 
     def use_native_ops(self) -> None:
         """CPU float32, after `use_cpu_gemms`: RMSNorm (+ residual add), rotary and SiLU-and-mul run as fused native

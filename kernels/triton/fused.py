@@ -94,9 +94,13 @@ def _rotary_neox_kernel(
     HALF: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
+    if HAS_POSITIONS:  # noqa: SIM108 - a static branch: the load must not exist without positions
+        pos = tl.load(positions_ptr + token).to(tl.int64)
+    else:  # cos/sin already hold one row per token
+        pos = token
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
     d_mask = offs_d < HALF
@@ -114,7 +118,7 @@ def _rotary_neox_kernel(
     tl.store(ptr2, (x2f * cos[None, :] + x1f * sin[None, :]).to(x2.dtype), mask=mask)
 
 
-def _rotary_launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+def _rotary_launch(x: torch.Tensor, positions: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> None:
     num_tokens, num_heads, head_dim = x.shape
     half = cos.shape[1]
     assert 2 * half <= head_dim, (cos.shape, head_dim)
@@ -123,7 +127,7 @@ def _rotary_launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         return
     _rotary_neox_kernel[(num_tokens,)](
         x,
-        positions,
+        cos if positions is None else positions,  # unused placeholder without positions
         cos,
         sin,
         x.stride(0),
@@ -133,17 +137,21 @@ def _rotary_launch(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, 
         HALF=half,
         BLOCK_H=pow2_at_least(num_heads),
         BLOCK_HALF=pow2_at_least(half),
+        HAS_POSITIONS=positions is not None,
     )
 
 
 def rotary_embedding_neox(
-    positions: torch.Tensor,  # [num_tokens] int
+    positions: torch.Tensor | None,  # [num_tokens] int; None: cos/sin rows are already per token
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim], rotated in place
     k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], rotated in place
-    cos: torch.Tensor,  # [max_position, rotary_dim // 2], e.g. cos(pos * inv_freq)
+    cos: torch.Tensor,  # [max_position, rotary_dim // 2], e.g. cos(pos * inv_freq); or [num_tokens, ...]
     sin: torch.Tensor,  # [max_position, rotary_dim // 2]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style (HF Llama `rotate_half`) rotary embedding on the first `rotary_dim` dims, in place."""
+    """Neox-style (HF Llama `rotate_half`) rotary embedding on the first `rotary_dim` dims, in place.
+
+    The model passes `positions=None` with the step's cos/sin rows, looked up once per step and shared by all
+    layers."""
     assert cos.shape == sin.shape and cos.stride() == sin.stride() and cos.stride(-1) == 1, (cos.shape, sin.shape)
     _rotary_launch(q, positions, cos, sin)
     _rotary_launch(k, positions, cos, sin)

@@ -53,6 +53,19 @@ def test_rotary_neox(dtype: torch.dtype, head_dim: int, rot_dim: int) -> None:
     assert torch.equal(qkv[..., rot_dim:], untouched)
 
 
+def test_rotary_neox_with_per_token_rows() -> None:
+    """positions=None: cos/sin hold one row per token (the model's per-step lookup), here a strided half of it."""
+    positions = torch.randint(0, 100, (6,), device=DEVICE)
+    cos, sin = _cos_sin(128, 64, torch.float32)
+    full_cos, full_sin = torch.cat((cos, cos), -1)[positions], torch.cat((sin, sin), -1)[positions]  # [T, D]
+    qkv = torch.randn(6, 5, 64, device=DEVICE)
+    q, k = qkv[:, :3], qkv[:, 3:]
+    expected_q, expected_k = ref_rotary_neox(positions, q, k, cos, sin)
+    rotary_embedding_neox(None, q, k, full_cos[:, :32], full_sin[:, :32])
+    assert_close("rotary_neox", q, expected_q, torch.float32)
+    assert_close("rotary_neox", k, expected_k, torch.float32)
+
+
 def test_rotary_reference_matches_hf_llama() -> None:
     # Ties our reference to the model we serve: HF Llama's apply_rotary_pos_emb (cos/sin = cat(freqs, freqs)).
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
