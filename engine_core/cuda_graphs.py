@@ -7,12 +7,14 @@ addresses, so:
 - batch sizes are bucketed (`capture_sizes`): a step of n sequences runs the graph of the smallest bucket >= n, its
   rows past n padded as empty sequences (token 0, position 0, slot -1: no K/V written; seq_len 0: attention reads
   nothing and returns zeros), and only the first n rows of the output are used;
-- inputs live in persistent device tensors (`DeviceInputs`), refilled before each replay; block tables keep their
-  full `max_blocks_per_seq` width, so their stride never changes;
+- inputs live in static device tensors owned by the step function, refilled (device to device, a handful of small
+  copies) from the step's own inputs before each replay; block tables keep their full `max_blocks_per_seq` width, so
+  their stride never changes;
 - the decode kernel's split count is fixed per bucket at capture (its grid is frozen), chosen for the longest
   context the engine serves; it is correct for any shorter one (kernels/triton/decode_attention.py).
 
-Capture itself runs only on CUDA; the bucketing and padding are plain host code, tested on CPU.
+`CudaGraphDecodeStep` is a step function (engine_core/step_functions.py): the runner picks it for decode-only steps.
+Capture itself runs only on CUDA; the bucketing and padding are plain tensor code, tested on CPU.
 """
 
 from __future__ import annotations
@@ -23,10 +25,6 @@ from collections.abc import Callable
 import torch
 
 from engine_core.attention.backend import AttentionMetadata
-from engine_core.device_inputs import DeviceInputs
-
-# Graph-step inputs, by the names `DeviceInputs` holds them under.
-GRAPH_INPUTS = ("input_ids", "positions", "slot_mapping", "decode_seq_lens", "decode_block_tables")
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -49,74 +47,114 @@ def bucket_for(n: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def graph_metadata(inputs: DeviceInputs, size: int, max_seq_len: int, num_splits: int) -> AttentionMetadata:
-    """Decode-only metadata over the first `size` rows of the persistent input tensors."""
-    dev = inputs.device
-    empty_i32 = torch.zeros(0, dtype=torch.int32, device=dev)
-    return AttentionMetadata(
-        num_decodes=size,
-        num_prefills=0,
-        slot_mapping=inputs.device_tensor("slot_mapping")[:size],
-        decode_seq_lens=inputs.device_tensor("decode_seq_lens")[:size],
-        decode_block_tables=inputs.device_tensor("decode_block_tables")[:size],
-        max_decode_seq_len=max_seq_len,
-        prefill_query_start_loc=torch.zeros(1, dtype=torch.int32, device=dev),
-        prefill_seq_lens=empty_i32,
-        prefill_block_tables=torch.zeros(0, 1, dtype=torch.int32, device=dev),
-        max_prefill_query_len=0,
-        prefill_query_lens_cpu=[],
-        prefill_seq_lens_cpu=[],
-        decode_num_splits=num_splits,
-    )
+Forward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata], torch.Tensor]
 
 
-class CudaGraphDecode:
-    """One captured forward per bucket size; `replay(size)` runs it over whatever the input tensors now hold."""
+class CudaGraphDecodeStep:
+    """The decode-only step function that replays one captured forward per bucket size.
+
+    `forward` is the model (the layer loop); `num_splits(size)` the decode split count frozen into bucket `size`.
+    Steps larger than the largest bucket fall back to `forward`.
+    """
 
     def __init__(
         self,
-        forward: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
-        inputs: DeviceInputs,
+        forward: Forward,
         sizes: list[int],
+        max_blocks_per_seq: int,
         max_seq_len: int,
         num_splits: Callable[[int], int],
+        device: torch.device,
     ) -> None:
-        self.inputs = inputs
         self.sizes = sizes
         self._forward = forward
         self._max_seq_len = max_seq_len
         self._num_splits = num_splits
+        rows = max(sizes)
+        i64 = {"dtype": torch.int64, "device": device}
+        self.input_ids = torch.zeros(rows, **i64)
+        self.positions = torch.zeros(rows, **i64)
+        self.slot_mapping = torch.full((rows,), -1, **i64)
+        self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self._kv_caches: list[torch.Tensor] | None = None
 
-    def capture(self) -> None:
-        """Captures every bucket, largest first (later, smaller graphs reuse its memory pool)."""
+    def static_metadata(self, size: int) -> AttentionMetadata:
+        """Decode-only metadata over the first `size` rows of the static buffers (what bucket `size` captured)."""
+        dev = self.input_ids.device
+        i32 = {"dtype": torch.int32, "device": dev}
+        return AttentionMetadata(
+            num_decodes=size,
+            num_prefills=0,
+            slot_mapping=self.slot_mapping[:size],
+            decode_seq_lens=self.seq_lens[:size],
+            decode_block_tables=self.block_tables[:size],
+            max_decode_seq_len=self._max_seq_len,
+            prefill_query_start_loc=torch.zeros(1, **i32),
+            prefill_seq_lens=torch.zeros(0, **i32),
+            prefill_block_tables=torch.zeros(0, 1, **i32),
+            max_prefill_query_len=0,
+            prefill_query_lens_cpu=[],
+            prefill_seq_lens_cpu=[],
+            decode_num_splits=self._num_splits(size),
+        )
+
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int | None:
+        """Copies a decode-only step into the static buffers, rows past it padded as empty sequences; returns the
+        bucket, or None when the step is larger than every bucket."""
+        n = meta.num_decodes
+        size = bucket_for(n, self.sizes)
+        if size is None:
+            return None
+        width = meta.decode_block_tables.shape[1]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.seq_lens[:n].copy_(meta.decode_seq_lens, non_blocking=True)
+        self.block_tables[:n, :width].copy_(meta.decode_block_tables, non_blocking=True)
+        if size > n:
+            self.slot_mapping[n:size].fill_(-1)  # no K/V written
+            self.seq_lens[n:size].zero_()  # attention reads nothing, returns zeros
+        return size
+
+    def capture(self, kv_caches: list[torch.Tensor]) -> None:
+        """Captures every bucket over `kv_caches` (the runner's, fixed for the engine's lifetime), largest first so
+        the smaller graphs reuse its memory pool."""
+        self._kv_caches = kv_caches
         pool = None
+        # Padding everywhere: the warm-up and captured runs must not write the KV cache.
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
         for size in sorted(self.sizes, reverse=True):
-            meta = graph_metadata(self.inputs, size, self._max_seq_len, self._num_splits(size))
-            ids = self.inputs.device_tensor("input_ids")[:size]
-            pos = self.inputs.device_tensor("positions")[:size]
-            # Padding everywhere before capture: the warm-up runs must not touch the KV cache.
-            ids.zero_()
-            pos.zero_()
-            meta.slot_mapping.fill_(-1)
-            meta.decode_seq_lens.zero_()
-            # NOTE: warm-up on a side stream compiles the Triton kernels and lets the allocator settle, as
-            # torch.cuda.graphs documents; nothing may compile or allocate fresh memory during capture.
+            meta = self.static_metadata(size)
+            ids, pos = self.input_ids[:size], self.positions[:size]
+            # NOTE: warm-up on a side stream compiles the Triton kernels and settles the allocator, as torch.cuda
+            # graphs require: nothing may compile or synchronize during capture.
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._forward(ids, pos, meta)
+                    self._forward(ids, pos, kv_caches, meta)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._outputs[size] = self._forward(ids, pos, meta)
+                self._outputs[size] = self._forward(ids, pos, kv_caches, meta)
             pool = graph.pool()
             self._graphs[size] = graph
         torch.cuda.synchronize()
 
-    def replay(self, size: int, n: int) -> torch.Tensor:
-        """Runs bucket `size`'s graph; returns the first n rows of its (static) output."""
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert kv_caches is self._kv_caches, "the graphs were captured over other KV cache tensors"
+        size = self.fill(input_ids, positions, meta)
+        if size is None:
+            return self._forward(input_ids, positions, kv_caches, meta)
         self._graphs[size].replay()
-        return self._outputs[size][:n]
+        return self._outputs[size][: meta.num_decodes]

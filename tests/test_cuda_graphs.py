@@ -9,7 +9,7 @@ import torch
 
 from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.triton_backend import TritonAttentionBackend
-from engine_core.cuda_graphs import CudaGraphDecode, bucket_for, capture_sizes, graph_metadata
+from engine_core.cuda_graphs import CudaGraphDecodeStep, bucket_for, capture_sizes
 from engine_core.device_inputs import DeviceInputs, InputSpec
 
 CUDA = torch.cuda.is_available()
@@ -59,9 +59,28 @@ def test_device_inputs_pad_and_check_sizes() -> None:
     assert a.tolist() == [10, 11, 0, 0] and a.data_ptr() == inputs.device_tensor("positions").data_ptr()
 
 
+def _eager_meta(lens: np.ndarray, tables: np.ndarray, slots: np.ndarray, width: int) -> AttentionMetadata:
+    i32 = {"dtype": torch.int32, "device": DEVICE}
+    return AttentionMetadata(
+        num_decodes=len(lens),
+        num_prefills=0,
+        slot_mapping=torch.from_numpy(slots).to(DEVICE),
+        decode_seq_lens=torch.from_numpy(lens).to(DEVICE),
+        decode_block_tables=torch.from_numpy(tables[:, :width]).to(DEVICE),  # as wide as the step needs
+        max_decode_seq_len=int(lens.max()),
+        prefill_query_start_loc=torch.zeros(1, **i32),
+        prefill_seq_lens=torch.zeros(0, **i32),
+        prefill_block_tables=torch.zeros(0, 1, **i32),
+        max_prefill_query_len=0,
+        prefill_query_lens_cpu=[],
+        prefill_seq_lens_cpu=[],
+    )
+
+
 def test_padded_bucket_equals_the_unpadded_step() -> None:
-    """A decode step of 3 sequences run as bucket 4 with a fixed split count, through graph_metadata over the
-    persistent inputs: the 3 real rows equal the eager step's, the padding row is zeros and writes no K/V."""
+    """A decode step of 3 sequences copied into the graph step's static buffers (bucket 4, fixed split count) and
+    run through the Triton backend over its static metadata: the 3 real rows equal the eager step's, the padding
+    row is zeros and writes no K/V."""
     torch.manual_seed(0)
     num_heads, num_kv_heads, head_dim, block_size, max_blocks = 4, 2, 16, 16, 8
     backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, head_dim**-0.5)
@@ -74,57 +93,45 @@ def test_padded_bucket_equals_the_unpadded_step() -> None:
     v = torch.randn(4, num_kv_heads, head_dim, device=DEVICE)
 
     eager_cache = kv_cache.clone()
-    i32 = {"dtype": torch.int32, "device": DEVICE}
-    eager_meta = AttentionMetadata(
-        num_decodes=3,
-        num_prefills=0,
-        slot_mapping=torch.from_numpy(slots).to(DEVICE),
-        decode_seq_lens=torch.from_numpy(lens).to(DEVICE),
-        decode_block_tables=torch.from_numpy(tables[:, :3]).to(DEVICE),  # as wide as the step needs
-        max_decode_seq_len=40,
-        prefill_query_start_loc=torch.zeros(1, **i32),
-        prefill_seq_lens=torch.zeros(0, **i32),
-        prefill_block_tables=torch.zeros(0, 1, **i32),
-        max_prefill_query_len=0,
-        prefill_query_lens_cpu=[],
-        prefill_seq_lens_cpu=[],
-    )
-    eager = backend.forward(q[:3], k[:3], v[:3], eager_cache, eager_meta)
+    meta = _eager_meta(lens, tables, slots, width=3)
+    eager = backend.forward(q[:3], k[:3], v[:3], eager_cache, meta)
 
-    inputs = DeviceInputs(DEVICE, _specs(8, max_blocks), persistent=True)
-    size = bucket_for(3, capture_sizes(8))
+    def no_forward(*_: object) -> torch.Tensor:
+        raise AssertionError("fill only")
+
+    step = CudaGraphDecodeStep(no_forward, capture_sizes(8), max_blocks, 2048, lambda _: 4, DEVICE)
+    step.seq_lens.fill_(99)  # stale rows from an earlier, larger step must be padded over
+    ids, pos = torch.tensor([11, 12, 13], device=DEVICE), torch.tensor([39, 0, 16], device=DEVICE)
+    size = step.fill(ids, pos, meta)
     assert size == 4
-    inputs.begin()
-    inputs.put("slot_mapping", slots, pad_to=size, pad_value=-1)
-    inputs.put("decode_seq_lens", lens, pad_to=size)
-    inputs.put("decode_block_tables", tables, pad_to=size)
-    inputs.end()
-    meta = graph_metadata(inputs, size, max_seq_len=2048, num_splits=4)
+    assert step.input_ids[:3].tolist() == [11, 12, 13] and step.positions[:3].tolist() == [39, 0, 16]
+    static = step.static_metadata(size)
+    assert static.decode_num_splits == 4 and static.decode_block_tables.shape == (4, max_blocks)
     graph_cache = kv_cache.clone()
-    padded = backend.forward(q, k, v, graph_cache, meta)
+    padded = backend.forward(q, k, v, graph_cache, static)
 
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
     assert not padded[3].any()
     assert torch.equal(graph_cache, eager_cache), "the padding row wrote K/V, or a real row wrote elsewhere"
+    # Larger than every bucket: no bucket (the step function then runs the eager forward).
+    big = _eager_meta(np.ones(9, dtype=np.int32), np.zeros((9, 1), dtype=np.int32), np.zeros(9, dtype=np.int64), 1)
+    assert step.fill(torch.zeros(9, dtype=torch.int64), torch.zeros(9, dtype=torch.int64), big) is None
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graph capture needs a CUDA device")
 def test_capture_and_replay_match_eager() -> None:
-    """On CUDA only: a captured toy forward over the persistent inputs replays with new inputs correctly."""
-    inputs = DeviceInputs(DEVICE, _specs(8, 4))
+    """On CUDA only: a captured toy forward replays with each step's new inputs, padded to its bucket."""
     weight = torch.randn(16, device=DEVICE)
+    kv_caches = [torch.zeros(1, device=DEVICE)]
 
-    def forward(ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(ids: torch.Tensor, pos: torch.Tensor, kv: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         return weight[ids % 16] * (pos + meta.decode_seq_lens).float()
 
-    graphs = CudaGraphDecode(forward, inputs, capture_sizes(8), max_seq_len=64, num_splits=lambda _: 1)
-    graphs.capture()
-    ids, pos, lens = np.array([3, 5, 7]), np.array([10, 2, 0]), np.array([11, 3, 1], dtype=np.int32)
-    inputs.begin()
-    inputs.put("input_ids", ids, pad_to=4)
-    inputs.put("positions", pos, pad_to=4)
-    inputs.put("decode_seq_lens", lens, pad_to=4)
-    inputs.end()
-    out = graphs.replay(4, 3)
-    expected = weight[torch.from_numpy(ids).to(DEVICE) % 16] * torch.from_numpy(pos + lens).to(DEVICE).float()
-    torch.testing.assert_close(out, expected)
+    step = CudaGraphDecodeStep(forward, capture_sizes(8), 4, 64, lambda _: 1, DEVICE)
+    step.capture(kv_caches)
+    for n in (3, 1, 8):
+        ids = torch.randint(0, 100, (n,), device=DEVICE)
+        pos = torch.randint(0, 50, (n,), device=DEVICE)
+        lens = np.random.default_rng(n).integers(1, 60, n).astype(np.int32)
+        meta = _eager_meta(lens, np.zeros((n, 4), dtype=np.int32), np.full(n, -1), 4)
+        torch.testing.assert_close(step(ids, pos, kv_caches, meta), forward(ids, pos, kv_caches, meta))
