@@ -259,6 +259,9 @@ class Scheduler:
                         seed=seq.seed,
                         block_ids=self.kv.block_ids(seq.seq_id),
                         num_computed_tokens=seq.num_computed_tokens,
+                        request_id=seq.request.request_id,
+                        trace_context=seq.request.trace_context.get("traceparent", ""),
+                        trace_state=seq.request.trace_context.get("tracestate", ""),
                     )
                 )
             out.num_scheduled_tokens[seq.seq_id] = n

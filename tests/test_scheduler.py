@@ -611,3 +611,15 @@ def test_prefix_cache_stats_count_each_admission_once() -> None:
     stats = h.sched.kv.stats
     assert stats.queries == 32
     assert stats.hits == 12
+
+
+def test_new_sequence_says_which_request_and_trace_it_is_for() -> None:
+    sched = make_scheduler()
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    request = make_request([1, 2, 3], request_id="who")
+    request.trace_context = {"traceparent": traceparent, "tracestate": "k=v"}
+    sched.add_request(request)
+    sched.add_request(make_request([4, 5], request_id="untraced"))
+    new = {s.request_id: s for s in sched.schedule().new_seqs}
+    assert new["who"].trace_context == traceparent and new["who"].trace_state == "k=v"
+    assert new["untraced"].trace_context == "" and new["untraced"].trace_state == ""

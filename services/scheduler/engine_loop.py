@@ -165,7 +165,6 @@ class EngineLoop:
             num_kv_blocks=num_blocks,
         )
         core = EngineCore(engine_config, self.executor, info.max_model_len, num_blocks)
-        self.executor.request_of = lambda seq_id: s.request if (s := core.scheduler.seqs.get(seq_id)) else None
         self.info, self.core = info, core
         self._publish_stats()
         log.info("engine ready", workers=len(self.config.worker_addrs), blocks=num_blocks, model=info.model)

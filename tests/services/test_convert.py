@@ -16,7 +16,7 @@ from engine_core.plan import (
     PromptLogprobs,
     SchedulerOutput,
 )
-from engine_core.request import FinishReason, Request
+from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
 from services.common.flags import add_flag, env_name
 from services.common.trace import TraceContext
@@ -50,15 +50,14 @@ def test_public_options_cannot_set_eos_and_keep_defaults() -> None:
 def test_plan_and_result_round_trip() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4)
     plan = SchedulerOutput(
-        new_seqs=[NewSequenceData(3, [1, 2, 3], 3, params, None, [0, 1], 0)],
+        new_seqs=[NewSequenceData(3, [1, 2, 3], 3, params, None, [0, 1], 0, "r", TRACEPARENT, "k=v")],
         cached_seqs=[CachedSequenceData(1, [5], 17)],
         num_scheduled_tokens={3: 3, 1: 1},
         total_num_scheduled_tokens=4,
         finished_seq_ids=[0],
         copy_blocks=[(2, 6)],
     )
-    request = Request("r", [1, 2, 3], params, trace_context={"traceparent": TRACEPARENT})
-    msg = plan_to_proto(plan, epoch="e", step=4, request_of=lambda _: request)
+    msg = plan_to_proto(plan, epoch="e", step=4)
     assert msg.new_seqs[0].trace.traceparent == TRACEPARENT and msg.new_seqs[0].request_id == "r"
     assert plan_from_proto(msg) == plan
     lps = LogprobsTensors(torch.tensor([[4, 4, 9]]), torch.tensor([[-0.1, -0.1, -2.0]]), torch.tensor([1]))
