@@ -12,7 +12,7 @@ if not os.path.exists("/dev/nvidiactl"):
 import pytest
 import torch
 
-from engine_core.model_loader import load_tokenizer, resolve_model_dir
+from engine_core.model_files import load_tokenizer, resolve_model_dir
 
 CACHE_DIR = os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda"))
 
