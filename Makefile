@@ -49,9 +49,11 @@ GPU_WHEELS := structlog==26.1.0
 gpu-wheels:
 	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl $(GPU_WHEELS)
 
+# NOTE: PYTHONPATH makes lint-imports read this tree's packages, whatever the editable install points at.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 
 format: install
 	$(VENV)/bin/ruff check --fix .

@@ -42,11 +42,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # NOTE: the one interpreter-or-compiled decision, before anything (transformers) imports triton.
-from kernels.triton_mode import configure_triton_mode  # noqa: E402
+from kernels.triton_mode import configure_triton_interpret
 
-INTERPRETED = configure_triton_mode()
+INTERPRETED = configure_triton_interpret()
 
-import torch  # noqa: E402
+import torch
 
 # SmolLM2-135M's architecture (config.json of HuggingFaceTB/SmolLM2-135M-Instruct), with random weights.
 SMOLLM2_SHAPES = {

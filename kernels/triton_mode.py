@@ -3,7 +3,7 @@
 `triton.jit` reads `TRITON_INTERPRET` when a kernel is *decorated*, and triton decorates its own library functions
 (`tl.sigmoid`, `tl.cdiv`, ...) when it is first imported, by whoever imports it first (transformers does, during a
 forward). A compiled library function cannot be called from an interpreted kernel, so the switch must be set before
-anything imports triton: `configure_triton_mode()` is called by every entry point (the engine package, the test
+anything imports triton: `configure_triton_interpret()` is called by every entry point (the engine package, the test
 suite, the GPU check) and by `kernels.triton` itself, and it refuses to run too late.
 
 The rule: interpret exactly when torch sees no CUDA device (so the Triton backend's tensors, which live on the
@@ -29,7 +29,7 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
 
 
-def configure_triton_mode() -> bool:
+def configure_triton_interpret() -> bool:
     """Sets `TRITON_INTERPRET=1` when no CUDA device is visible (unless the variable is set); returns whether kernels
     are interpreted. Idempotent.
 
@@ -40,7 +40,7 @@ def configure_triton_mode() -> bool:
     if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         if "triton" in sys.modules:
             raise RuntimeError(
-                "triton was imported before kernels.triton_mode.configure_triton_mode() ran on a machine without "
+                "triton was imported before kernels.triton_mode.configure_triton_interpret() ran on a machine without "
                 "CUDA; call it first in the entry point (or set TRITON_INTERPRET=1 in the environment)"
             )
         os.environ["TRITON_INTERPRET"] = "1"

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import os
+from kernels.triton_mode import configure_triton_interpret
 
-from kernels.triton_mode import configure_triton_mode
+# NOTE: first, before anything imports triton (the same decision the kernels package makes).
+configure_triton_interpret()
 
-# NOTE: triton's own library functions are decorated when triton is first imported (transformers may import it),
-# so the one interpreter-or-compiled decision is made before anything else imports it.
-configure_triton_mode()
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+from engine_core.config import default_cache_dir
 
-CACHE_DIR = os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda"))
+CACHE_DIR = default_cache_dir()
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

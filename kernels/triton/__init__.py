@@ -6,15 +6,15 @@ Every kernel has a readable torch twin in `kernels.reference`, which the tests c
 
 from __future__ import annotations
 
-from kernels.triton_mode import configure_triton_mode
+from kernels.triton_mode import configure_triton_interpret
 
 # NOTE: before the first `import triton` below (the submodules'), so the kernels are decorated in the right mode.
-configure_triton_mode()
+configure_triton_interpret()
 
-from kernels.triton.decode_attention import choose_num_splits, decode_attention, plan_decode  # noqa: E402
-from kernels.triton.fused import fused_add_rms_norm, rms_norm, rotary_embedding_neox, silu_and_mul  # noqa: E402
-from kernels.triton.prefill_attention import prefill_attention  # noqa: E402
-from kernels.triton.store_kv import store_kv  # noqa: E402
+from kernels.triton.decode_attention import choose_num_splits, decode_attention, plan_decode
+from kernels.triton.fused import fused_add_rms_norm, rms_norm, rotary_embedding_neox, silu_and_mul
+from kernels.triton.prefill_attention import prefill_attention
+from kernels.triton.store_kv import store_kv
 
 __all__ = [
     "choose_num_splits",

@@ -10,9 +10,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from kernels.triton_mode import configure_triton_mode
+from kernels.triton_mode import configure_triton_interpret
 
-INTERPRETED = configure_triton_mode()
+INTERPRETED = configure_triton_interpret()
 # NOTE: the kernels' tensors must live where the kernels run: CUDA when compiled, CPU when interpreted.
 DEVICE = "cpu" if INTERPRETED else "cuda"
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

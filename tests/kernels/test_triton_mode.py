@@ -80,20 +80,22 @@ def test_switch_refuses_to_run_after_triton_was_imported() -> None:
     """Too late is an error naming the fix, not triton's opaque failure inside the first interpreted kernel."""
     if torch.cuda.is_available():
         pytest.skip("with CUDA the switch leaves the interpreter off, so importing triton first is harmless")
-    res = _python("import triton\nfrom kernels.triton_mode import configure_triton_mode\nconfigure_triton_mode()\n")
-    assert res.returncode != 0 and "configure_triton_mode() ran" in res.stderr
+    res = _python(
+        "import triton\nfrom kernels.triton_mode import configure_triton_interpret\nconfigure_triton_interpret()\n"
+    )
+    assert res.returncode != 0 and "configure_triton_interpret() ran" in res.stderr
     # Set first, then import: fine, and idempotent.
     ok = _python(
-        "from kernels.triton_mode import configure_triton_mode\n"
-        "assert configure_triton_mode()\nimport kernels.triton\nassert configure_triton_mode()\n"
+        "from kernels.triton_mode import configure_triton_interpret\n"
+        "assert configure_triton_interpret()\nimport kernels.triton\nassert configure_triton_interpret()\n"
     )
     assert ok.returncode == 0, ok.stderr
 
 
 def test_explicit_setting_is_respected() -> None:
     res = _python(
-        "import os\nfrom kernels.triton_mode import configure_triton_mode\n"
-        "assert configure_triton_mode() is False\nassert os.environ['TRITON_INTERPRET'] == '0'\n",
+        "import os\nfrom kernels.triton_mode import configure_triton_interpret\n"
+        "assert configure_triton_interpret() is False\nassert os.environ['TRITON_INTERPRET'] == '0'\n",
         TRITON_INTERPRET="0",
     )
     assert res.returncode == 0, res.stderr
