@@ -68,8 +68,9 @@ def test_cpu_kernels_and_the_cpu_engine_import_no_triton() -> None:
         "import sys\n"
         "from kernels import cpu\n"
         "import engine_core.model_runner, engine_core.models.llama\n"
-        "import engine_core.attention.torch_backend, engine_core.attention.cpu_backend\n"
-        "bad = sorted(m for m in sys.modules if m == 'triton' or m.startswith(('triton.', 'kernels.triton')))\n"
+        "import engine_core.attention.selector, engine_core.attention.torch_backend\n"
+        "import engine_core.attention.cpu_backend\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'triton' or m.startswith('kernels.triton.'))\n"
         "assert not bad, bad\n"
     )
     res = _python(code)
