@@ -4,15 +4,16 @@ Sections, in order (each is recorded as ok / fail / skipped with its numbers; a 
 ones after it, and the JSON file is rewritten after each, so a run cut short still returns what it measured):
 
 1. `environment`  versions and the device; on CUDA asserts the Triton kernels are compiled, not interpreted.
-2. `kernel_tests` `pytest tests/kernels` on the device (CUDA tensors, fp32 / bf16 / fp16 against the torch
-                  references), in a subprocess.
-3. `variants`     a decode growing from 1 to 4096 tokens adds no compiled variants after the first two (counts the
+2. `variants`     a decode growing from 1 to 4096 tokens adds no compiled variants after the first two (counts the
                   kernels' own caches: this is what the CPU tests can only model).
-4. `greedy`       a random-weight model with SmolLM2-135M's shapes: greedy tokens of the Triton backend == torch
-                  backend == transformers in float32 (asserted), and Triton vs torch in bfloat16 (reported).
-5. `kernel_bench` `benchmarks/kernels_bench.py` at SmolLM2 and Llama-3-8B attention shapes: decode as a fraction of
+3. `greedy`       a random-weight model with SmolLM2-135M's shapes: greedy tokens of the Triton backend == torch
+                  backend == transformers in float32, CUDA-graph decode == eager (asserted); Triton vs torch in
+                  bfloat16 (reported).
+4. `kernel_bench` `benchmarks/kernels_bench.py` at SmolLM2 and Llama-3-8B attention shapes: decode as a fraction of
                   the HBM peak, prefill TFLOP/s, both against SDPA.
-6. `throughput`   `benchmarks/offline_throughput.py`'s workload, Pagoda vs transformers, on the same GPU, bf16.
+5. `throughput`   `benchmarks/offline_throughput.py`'s workload, Pagoda vs transformers, on the same GPU, bf16.
+6. `kernel_tests` `pytest tests/kernels` on the device (CUDA tensors, fp32 / bf16 / fp16 against the torch
+                  references), in a subprocess; last, because compiling its ~100 variants takes the longest.
 
 It needs only what the device image has (torch, triton, transformers, pytest) plus structlog, which travels as a
 wheel (`make gpu-wheels`, then carry `.whl`; recipe in docs/kernels.md). No weights, no tokenizer files, no network:
@@ -216,7 +217,13 @@ def section_variants(c: Check) -> dict[str, object]:
 
 
 def _greedy_pagoda(
-    model_dir: Path, device: str, backend: str, dtype: str, prompts: list[list[int]], n: int
+    model_dir: Path,
+    device: str,
+    backend: str,
+    dtype: str,
+    prompts: list[list[int]],
+    n: int,
+    enforce_eager: bool = False,
 ) -> list[list[int]]:
     from engine_core import LLM, SamplingParams
 
@@ -227,6 +234,8 @@ def _greedy_pagoda(
         dtype=dtype,
         num_kv_blocks=512,
         max_num_batched_tokens=256,
+        max_num_seqs=16,
+        enforce_eager=enforce_eager,
     )
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -264,6 +273,9 @@ def section_greedy(c: Check) -> dict[str, object]:
         "new_tokens": n,
         "float32_triton_eq_torch_eq_transformers": fp32["triton"] == fp32["torch"] == hf,
     }
+    if not c.dry_run:  # decode steps as CUDA graphs (the default above) vs every kernel launched eagerly
+        eager = _greedy_pagoda(model_dir, c.device, "triton", "float32", prompts, n, enforce_eager=True)
+        result["float32_cuda_graphs_eq_eager"] = eager == fp32["triton"]
     if not c.dry_run:  # bf16 agreement is a measurement: two correct bf16 implementations may part after a while
         bf16 = {b: _greedy_pagoda(model_dir, c.device, b, "bfloat16", prompts, n) for b in ("triton", "torch")}
         agree = [
@@ -272,6 +284,7 @@ def section_greedy(c: Check) -> dict[str, object]:
         ]
         result["bfloat16_triton_vs_torch_tokens_agreeing_per_prompt"] = agree
     assert result["float32_triton_eq_torch_eq_transformers"], {"hf": hf, **fp32}
+    assert result.get("float32_cuda_graphs_eq_eager", True), "CUDA-graph decode steps changed the tokens"
     return result
 
 

@@ -24,7 +24,7 @@ def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
 _BACKENDS = ("cpu", "torch", "triton")
 
@@ -35,7 +35,9 @@ class EngineConfig:
 
     model: str | None = _opt(None, "HF directory or .gguf file (default SmolLM2-135M-Instruct)")
     tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's)")
-    dtype: str = _opt("float32", "float32 | bfloat16 | float16")
+    # NOTE: bfloat16 on CUDA runs the matmuls and the attention dots on tensor cores; float32 stays the CPU default
+    # (the native CPU kernels are float32, and CPUs without AMX gain nothing from bf16).
+    dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
     device: str = _opt("cpu", "cpu | cuda | cuda:N")
     seed: int = _opt(0, "seed of the shared sampling generator")
     # KV cache
@@ -52,6 +54,7 @@ class EngineConfig:
     scheduling_policy: str = _opt("fcfs", "fcfs | priority")
     # Model execution
     attention_backend: str | None = _opt(None, "cpu | torch | triton (default: by device)")
+    enforce_eager: bool = _opt(False, "no CUDA graphs: decode steps launch every kernel (CUDA + triton backend only)")
     num_threads: int | None = _opt(None, "torch intra-op threads on CPU (default: torch's)")
     cache_dir: str = field(default_factory=default_cache_dir, metadata={"help": f"${CACHE_ENV}"})
 
@@ -85,6 +88,12 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)  # type: ignore[arg-type]
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
     @property
     def resolved_backend(self) -> str:

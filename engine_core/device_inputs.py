@@ -28,6 +28,22 @@ class InputSpec:
     shape: tuple[int, ...]
 
 
+def step_input_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> list[InputSpec]:
+    """The model runner's step inputs (names as in `AttentionMetadata`), at their largest."""
+    i32, i64 = torch.int32, torch.int64
+    return [
+        InputSpec("input_ids", i64, (max_tokens,)),
+        InputSpec("positions", i64, (max_tokens,)),
+        InputSpec("slot_mapping", i64, (max_tokens,)),
+        InputSpec("sample_index", i64, (max_seqs,)),
+        InputSpec("decode_seq_lens", i32, (max_seqs,)),
+        InputSpec("decode_block_tables", i32, (max_seqs, max_blocks_per_seq)),
+        InputSpec("prefill_query_start_loc", i32, (max_seqs + 1,)),
+        InputSpec("prefill_seq_lens", i32, (max_seqs,)),
+        InputSpec("prefill_block_tables", i32, (max_seqs, max_blocks_per_seq)),
+    ]
+
+
 class DeviceInputs:
     def __init__(self, device: torch.device, specs: list[InputSpec], persistent: bool | None = None) -> None:
         self.device = device
@@ -67,7 +83,7 @@ class DeviceInputs:
         m = n if pad_to is None else pad_to
         if m < n or m > spec.shape[0]:
             raise ValueError(f"{name}: {n} rows padded to {m} do not fit its {spec.shape[0]} rows")
-        if values.shape[1:] != spec.shape[1:]:
+        if self.persistent and values.shape[1:] != spec.shape[1:]:
             raise ValueError(f"{name}: rows of shape {values.shape[1:]}, expected {spec.shape[1:]}")
         if not self.persistent:
             t = torch.from_numpy(np.ascontiguousarray(values)).to(spec.dtype)

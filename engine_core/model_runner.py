@@ -6,6 +6,7 @@ plan's deltas alone, so the scheduler never sends token ids for decode steps.
 
 from __future__ import annotations
 
+import importlib
 import math
 import time
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import torch
 from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
+from engine_core.cuda_graphs import CudaGraphDecodeStep, capture_sizes
+from engine_core.device_inputs import DeviceInputs, step_input_specs
 from engine_core.input_batch import InputBatch, StepInputs
 from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config
 from engine_core.models.cpu_linear import can_pack
@@ -68,7 +71,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: str) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = DTYPES[config.resolved_dtype]
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         hf = load_config(model_dir)
@@ -104,7 +107,9 @@ class ModelRunner:
         if backend.name == "triton":
             self.model.use_triton_ops()
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
-        log.info("model loaded", architecture=arch, dtype=config.dtype, seconds=round(time.perf_counter() - t0, 2))
+        log.info(
+            "model loaded", architecture=arch, dtype=config.resolved_dtype, seconds=round(time.perf_counter() - t0, 2)
+        )
         elt = torch.tensor([], dtype=self.dtype).element_size()
         self.info = ModelInfo(
             architecture=arch,
@@ -122,6 +127,27 @@ class ModelRunner:
         self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, config.block_size)
         self.sampling = SamplingBatch(hf.vocab_size, self.device, max_rows)
         self._prompt_logprob_seqs: set[int] = set()
+        # CUDA: a step's inputs travel through pinned buffers into persistent device tensors (device_inputs.py), and
+        # decode-only steps replay CUDA graphs (cuda_graphs.py; captured in init_kv_cache) unless enforce_eager.
+        self._staging: DeviceInputs | None = None
+        if self.device.type == "cuda":
+            max_tokens = max(config.max_num_batched_tokens, max_rows)
+            self._staging = DeviceInputs(self.device, step_input_specs(max_tokens, max_rows, self.max_blocks_per_seq))
+            if backend.name == "triton" and not config.enforce_eager:
+                self.decode_step = self._cuda_graph_step(hf.num_key_value_heads)
+
+    def _cuda_graph_step(self, num_kv_heads: int) -> CudaGraphDecodeStep:
+        triton_kernels = importlib.import_module("kernels.triton")  # NOTE: CUDA only; the CPU engine imports no Triton
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        max_len = self.max_model_len
+        return CudaGraphDecodeStep(
+            self.model,
+            capture_sizes(self.config.max_num_seqs),
+            self.max_blocks_per_seq,
+            max_len,
+            lambda size: triton_kernels.choose_num_splits(size, num_kv_heads, max_len, sms),
+            self.device,
+        )
 
     # ---- KV cache -------------------------------------------------------------------------------------------
     def profile_num_blocks(self) -> int:
@@ -149,6 +175,11 @@ class ModelRunner:
             tokens=tokens,
             max_concurrency_at_max_model_len=round(tokens / self.max_model_len, 2),
         )
+        if isinstance(self.decode_step, CudaGraphDecodeStep):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                self.decode_step.capture(self.kv_caches)
+            log.info("CUDA graphs captured", sizes=self.decode_step.sizes, seconds=round(time.perf_counter() - t0, 2))
 
     # ---- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -158,25 +189,30 @@ class ModelRunner:
             return ModelRunnerOutput()
         seq_ids = list(plan.num_scheduled_tokens)
         inputs = self.batch.prepare(seq_ids, list(plan.num_scheduled_tokens.values()))
+        sample_idx = np.flatnonzero(inputs.sample_mask)
+        sample_seq_ids = [inputs.seq_ids[i] for i in sample_idx]
+        # NOTE: every host-to-device copy of the step is queued before the forward (non-blocking from pinned buffers
+        # on CUDA), and so is the sampling metadata: nothing after the forward makes the host wait for it, until the
+        # sampled tokens come back.
+        if self._staging is not None:
+            self._staging.begin()
         meta = self._attention_metadata(inputs)
+        input_ids = self._to_device("input_ids", inputs.input_ids)
+        positions = self._to_device("positions", inputs.positions)
+        last_token = self._to_device("sample_index", inputs.query_start_loc[1:][sample_idx] - 1)
+        if self._staging is not None:
+            self._staging.end()
+        sampling_meta = self.sampling.metadata(sample_seq_ids) if len(sample_idx) else None
         self.backend.prepare(meta)
         step = pick_step_function(self.model, self.decode_step, meta)
-        hidden = step(
-            torch.from_numpy(inputs.input_ids).to(self.device),
-            torch.from_numpy(inputs.positions).to(self.device),
-            self.kv_caches,
-            meta,
-        )
+        hidden = step(input_ids, positions, self.kv_caches, meta)
         out = ModelRunnerOutput()
         out.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
-        sample_idx = np.flatnonzero(inputs.sample_mask)
-        if len(sample_idx) == 0:
+        if sampling_meta is None:
             self.batch.advance(inputs, sample_idx, sample_idx)
             return out
-        sample_seq_ids = [inputs.seq_ids[i] for i in sample_idx]
-        last_token = torch.from_numpy(inputs.query_start_loc[1:][sample_idx] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[last_token])
-        sampled = self.sampler(logits, self.sampling.metadata(sample_seq_ids))
+        sampled = self.sampler(logits, sampling_meta)
         tokens = sampled.sampled_token_ids
         self.sampling.append_tokens(sample_seq_ids, tokens)
         tokens_np = tokens.cpu().numpy()
@@ -225,29 +261,39 @@ class ModelRunner:
             for cache in self.kv_caches:
                 cache[:, dst] = cache[:, src]
 
+    def _to_device(self, name: str, values: np.ndarray) -> torch.Tensor:
+        """One step input on the model's device: through the pinned staging buffers on CUDA, as is on CPU."""
+        if self._staging is None:
+            return torch.from_numpy(values).to(self.device)
+        return self._staging.put(name, values)
+
     def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         nd = inputs.num_decodes
         rows = inputs.rows
         seq_lens = inputs.num_computed + inputs.num_scheduled
         bs = self.config.block_size
-        dev = self.device
 
-        def tables(sel: slice) -> torch.Tensor:
+        def tables(name: str, sel: slice) -> torch.Tensor:
+            if self._staging is not None:
+                # NOTE: full width on CUDA: one fixed stride (no kernel respecialization, and what a graph captured).
+                return self._to_device(name, self.batch.block_table[rows[sel]])
             lens = seq_lens[sel]
             width = int(-(-lens.max() // bs)) if len(lens) else 0
-            return torch.from_numpy(self.batch.block_tables(rows[sel], width)).to(dev)
+            return self._to_device(name, self.batch.block_tables(rows[sel], width))
 
         q_lens = inputs.num_scheduled[nd:]
         return AttentionMetadata(
             num_decodes=nd,
             num_prefills=len(rows) - nd,
-            slot_mapping=torch.from_numpy(inputs.slot_mapping).to(dev),
-            decode_seq_lens=torch.from_numpy(seq_lens[:nd].astype(np.int32)).to(dev),
-            decode_block_tables=tables(slice(0, nd)),
+            slot_mapping=self._to_device("slot_mapping", inputs.slot_mapping),
+            decode_seq_lens=self._to_device("decode_seq_lens", seq_lens[:nd].astype(np.int32)),
+            decode_block_tables=tables("decode_block_tables", slice(0, nd)),
             max_decode_seq_len=int(seq_lens[:nd].max()) if nd else 0,
-            prefill_query_start_loc=torch.from_numpy(np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)).to(dev),
-            prefill_seq_lens=torch.from_numpy(seq_lens[nd:].astype(np.int32)).to(dev),
-            prefill_block_tables=tables(slice(nd, None)),
+            prefill_query_start_loc=self._to_device(
+                "prefill_query_start_loc", np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
+            ),
+            prefill_seq_lens=self._to_device("prefill_seq_lens", seq_lens[nd:].astype(np.int32)),
+            prefill_block_tables=tables("prefill_block_tables", slice(nd, None)),
             max_prefill_query_len=int(q_lens.max()) if len(q_lens) else 0,
             prefill_query_lens_cpu=q_lens.tolist(),
             prefill_seq_lens_cpu=seq_lens[nd:].tolist(),

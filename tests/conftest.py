@@ -21,13 +21,13 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def smollm2_dir() -> str:
     """HF directory of SmolLM2-135M-Instruct (converted from the packaged GGUF on first use)."""
     # NOTE: imported here, not at the top, so the kernel tests also collect where only torch/triton/pytest exist.
-    from engine_core.model_loader import resolve_model_dir
+    from engine_core.model_files import resolve_model_dir
 
     return resolve_model_dir(None, CACHE_DIR)
 
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir: str):
-    from engine_core.model_loader import load_tokenizer
+    from engine_core.model_files import load_tokenizer
 
     return load_tokenizer(smollm2_dir)

@@ -50,8 +50,9 @@ def test_device_inputs_pad_and_check_sizes() -> None:
         assert tables.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1], [0, 0, 0, 0]]
         with pytest.raises(ValueError, match="slot_mapping: 9 rows"):
             inputs.put("slot_mapping", np.zeros(9, dtype=np.int64))
-        with pytest.raises(ValueError, match="decode_block_tables: rows of shape"):
-            inputs.put("decode_block_tables", np.zeros((2, 5), dtype=np.int32))
+        if persistent:  # fixed tensors: rows must have their width (on CPU a step's tables are as wide as it needs)
+            with pytest.raises(ValueError, match="decode_block_tables: rows of shape"):
+                inputs.put("decode_block_tables", np.zeros((2, 5), dtype=np.int32))
     # Persistent: the same storage every step (what a graph captured).
     inputs = DeviceInputs(torch.device("cpu"), _specs(8, 4), persistent=True)
     a = inputs.put("positions", np.arange(3), pad_to=4)
@@ -135,3 +136,15 @@ def test_capture_and_replay_match_eager() -> None:
         lens = np.random.default_rng(n).integers(1, 60, n).astype(np.int32)
         meta = _eager_meta(lens, np.zeros((n, 4), dtype=np.int32), np.full(n, -1), 4)
         torch.testing.assert_close(step(ids, pos, kv_caches, meta), forward(ids, pos, kv_caches, meta))
+
+
+def test_cuda_defaults_bfloat16_and_graphs_cpu_stays_float32() -> None:
+    from engine_core.config import EngineConfig
+
+    assert EngineConfig(device="cuda").resolved_dtype == "bfloat16"
+    assert EngineConfig(device="cuda:1").resolved_dtype == "bfloat16"
+    assert EngineConfig().resolved_dtype == "float32"  # device cpu
+    assert EngineConfig(device="cuda", dtype="float16").resolved_dtype == "float16"
+    assert EngineConfig().enforce_eager is False  # graphs on wherever they apply (CUDA + triton backend)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        EngineConfig(dtype="int8")
