@@ -5,7 +5,9 @@ from __future__ import annotations
 from kernels.triton_mode import configure_triton_interpret
 
 # NOTE: first, before anything imports triton (the same decision the kernels package makes).
-configure_triton_interpret()
+INTERPRETED = configure_triton_interpret()
+# Where tests that run the Triton kernels put the engine: compiled kernels need CUDA tensors, interpreted ones CPU.
+TRITON_DEVICE = "cpu" if INTERPRETED else "cuda"
 
 import pytest
 import torch

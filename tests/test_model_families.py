@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from engine_core import LLM, SamplingParams
 from engine_core.model_files import load_tokenizer
 from engine_core.models.native_decode import NativeDecodeStep
+from tests.conftest import TRITON_DEVICE
 from tests.hf_reference import hf_greedy
 
 VOCAB = 49152  # SmolLM2's tokenizer is saved beside the tiny weights so text prompts work too
@@ -76,7 +77,14 @@ def test_triton_backend_matches_torch_backend_and_transformers(tmp_path: Path, s
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
     results = {}
     for backend in ("torch", "triton"):
-        llm = LLM(str(model_dir), kv_cache_memory=0.01, attention_backend=backend, max_num_batched_tokens=16)
+        llm = LLM(
+            str(model_dir),
+            kv_cache_memory=0.01,
+            attention_backend=backend,
+            max_num_batched_tokens=16,
+            device=TRITON_DEVICE,
+            dtype="float32",
+        )
         results[backend] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for i, p in enumerate(prompts):
         tri, tor = results["triton"][i].outputs[0], results["torch"][i].outputs[0]

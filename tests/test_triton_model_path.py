@@ -9,12 +9,21 @@ import torch
 
 from engine_core import LLM, SamplingParams
 from engine_core.models.llama import MLP, Attention, RMSNorm
+from tests.conftest import TRITON_DEVICE
 from tests.test_model_families import VOCAB, _tiny
 
 
 def test_fused_triton_ops_match_the_eager_layers(tmp_path: Path, smollm2_dir: str) -> None:
     model_dir = _tiny("qwen2", tmp_path / "qwen2", smollm2_dir)  # Q/K/V biases too
-    llm = LLM(str(model_dir), attention_backend="triton", kv_cache_memory=0.01, max_num_batched_tokens=16)
+    llm = LLM(
+        str(model_dir),
+        attention_backend="triton",
+        kv_cache_memory=0.01,
+        max_num_batched_tokens=16,
+        device=TRITON_DEVICE,
+        dtype="float32",
+        enforce_eager=True,  # the layer loop, where the modules can be switched between steps
+    )
     model = llm.core.executor.model
     fused_modules = [m for m in model.modules() if isinstance(m, RMSNorm | Attention | MLP)]
     assert fused_modules and all(m.triton is not None for m in fused_modules), "the runner did not switch them on"

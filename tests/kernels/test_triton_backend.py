@@ -42,6 +42,8 @@ def _run_batch(
     dtype: torch.dtype,
     backend_name: str = "triton",
 ) -> None:
+    # NOTE: the native cpu backend only takes CPU tensors; the others run where the Triton kernels run.
+    device = "cpu" if backend_name == "cpu" else DEVICE
     num_heads = num_kv_heads * group
     scale = head_dim**-0.5
     # (total length, new tokens) per sequence, decodes first, as the batch lays them out.
@@ -51,15 +53,15 @@ def _run_batch(
     perm = torch.randperm(num_blocks).tolist()
     max_blocks = max(blocks_per_seq)
     tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int32)
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     expected_cache = kv_cache.clone()
 
     qs, ks, vs, slots, expected = [], [], [], [], []
     for i, ((total, new), nblk) in enumerate(zip(seqs, blocks_per_seq, strict=True)):
         tables[i, :nblk] = torch.tensor(perm[:nblk], dtype=torch.int32)
         perm = perm[nblk:]
-        k_hist = torch.randn(total, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
-        v_hist = torch.randn(total, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+        k_hist = torch.randn(total, num_kv_heads, head_dim, dtype=dtype, device=device)
+        v_hist = torch.randn(total, num_kv_heads, head_dim, dtype=dtype, device=device)
         for pos in range(total):
             block, off = int(tables[i, pos // block_size]), pos % block_size
             expected_cache[:, block, off] = torch.stack([k_hist[pos], v_hist[pos]])
@@ -67,32 +69,32 @@ def _run_batch(
                 kv_cache[:, block, off] = expected_cache[:, block, off]
             else:
                 slots.append(block * block_size + off)
-        q = torch.randn(new, num_heads, head_dim, dtype=dtype, device=DEVICE)
+        q = torch.randn(new, num_heads, head_dim, dtype=dtype, device=device)
         qs.append(q)
         ks.append(k_hist[total - new :])
         vs.append(v_hist[total - new :])
         expected.append(_expected_attention(q, k_hist, v_hist, scale))
 
     # Padding tokens at the end of the batch: slot -1, never written, output rows zero.
-    qs.append(torch.randn(num_padding, num_heads, head_dim, dtype=dtype, device=DEVICE))
-    ks.append(torch.randn(num_padding, num_kv_heads, head_dim, dtype=dtype, device=DEVICE))
-    vs.append(torch.randn(num_padding, num_kv_heads, head_dim, dtype=dtype, device=DEVICE))
+    qs.append(torch.randn(num_padding, num_heads, head_dim, dtype=dtype, device=device))
+    ks.append(torch.randn(num_padding, num_kv_heads, head_dim, dtype=dtype, device=device))
+    vs.append(torch.randn(num_padding, num_kv_heads, head_dim, dtype=dtype, device=device))
     slots += [-1] * num_padding
-    expected.append(torch.zeros(num_padding, num_heads, head_dim, device=DEVICE))
+    expected.append(torch.zeros(num_padding, num_heads, head_dim, device=device))
 
     nd = len(decode_lens)
     qlens = [qlen for _, qlen in chunks]
-    i32 = {"dtype": torch.int32, "device": DEVICE}
+    i32 = {"dtype": torch.int32, "device": device}
     meta = AttentionMetadata(
         num_decodes=nd,
         num_prefills=len(chunks),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         decode_seq_lens=torch.tensor(decode_lens, **i32),
-        decode_block_tables=tables[:nd].to(DEVICE),
+        decode_block_tables=tables[:nd].to(device),
         max_decode_seq_len=max(decode_lens, default=0),
         prefill_query_start_loc=torch.tensor([0, *itertools.accumulate(qlens)], **i32),
         prefill_seq_lens=torch.tensor([ctx + qlen for ctx, qlen in chunks], **i32),
-        prefill_block_tables=tables[nd:].to(DEVICE),
+        prefill_block_tables=tables[nd:].to(device),
         max_prefill_query_len=max(qlens, default=0),
         prefill_query_lens_cpu=qlens,
         prefill_seq_lens_cpu=[ctx + qlen for ctx, qlen in chunks],
