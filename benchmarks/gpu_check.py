@@ -26,6 +26,7 @@ the model and a word-level tokenizer are generated here.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -118,6 +119,13 @@ def build_random_model(path: Path, shapes: dict[str, object]) -> Path:
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def _free_gpu_memory() -> None:
+    """Before the next engine sizes its KV cache from free memory: drop the last one (cycles included)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ---- sections ------------------------------------------------------------------------------------------------------
@@ -240,8 +248,7 @@ def _greedy_pagoda(
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     del llm
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _free_gpu_memory()
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -327,8 +334,7 @@ def section_throughput(c: Check) -> dict[str, object]:
     else:
         wl = bench.make_workload(64, 0, vocab, (64, 512), (32, 256))
     pagoda, _ = bench.run_pagoda(wl, args)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    _free_gpu_memory()
     hf = bench.run_hf(wl, args, str(c.model_dir()))
     return {
         "dtype": dtype,
