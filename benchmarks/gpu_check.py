@@ -263,6 +263,7 @@ def _greedy_hf(model_dir: Path, device: str, prompts: list[list[int]], n: int) -
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
             result.append(out[0, len(p) :].tolist())
     del model
+    _free_gpu_memory()
     return result
 
 
