@@ -23,6 +23,7 @@ from engine_core.models.llama import model_class
 from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from engine_core.sampler import Sampler, compute_logprobs
 from engine_core.sampling_batch import SamplingBatch
+from engine_core.step_timings import StepTimings
 from kernels import cpu as cpu_kernels
 
 log = structlog.get_logger(__name__)
@@ -102,6 +103,7 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
+        self.last_timings = StepTimings()  # of the latest execute(); read by the worker service for its spans
         max_rows = config.max_num_seqs
         self.max_blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
         self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, config.block_size)
@@ -138,6 +140,14 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        # NOTE: four perf_counter() readings per step (well under a microsecond each) so the worker can show the
+        # step's phases; a fresh object per step, so a reader never sees a half-written one.
+        timings = self.last_timings = StepTimings(start=time.perf_counter())
+        out = self._execute(plan, timings)
+        timings.end = time.perf_counter()
+        return out
+
+    def _execute(self, plan: SchedulerOutput, timings: StepTimings) -> ModelRunnerOutput:
         self._apply_deltas(plan)
         if plan.is_empty:
             return ModelRunnerOutput()
@@ -145,12 +155,14 @@ class ModelRunner:
         inputs = self.batch.prepare(seq_ids, list(plan.num_scheduled_tokens.values()))
         meta = self._attention_metadata(inputs)
         self.backend.prepare(meta)
+        timings.forward_start = time.perf_counter()
         hidden = self.model(
             torch.from_numpy(inputs.input_ids).to(self.device),
             torch.from_numpy(inputs.positions).to(self.device),
             self.kv_caches,
             meta,
         )
+        timings.sample_start = time.perf_counter()
         out = ModelRunnerOutput()
         out.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         sample_idx = np.flatnonzero(inputs.sample_mask)
