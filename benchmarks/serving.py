@@ -322,6 +322,7 @@ async def main_async(args: argparse.Namespace) -> list[LevelResult]:
         num_threads=args.threads,
         max_num_seqs=args.max_num_seqs,
         log_dir=tempfile.mkdtemp(prefix="pagoda-serving-bench-"),
+        metrics_port=-1,
     )
     backends: list[Backend] = []
     cluster = LocalCluster(launch)

@@ -93,6 +93,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         # them for CPU; measured on 2 cores, one thread made decode steps ~5x faster than two.
         num_threads=args.worker_threads,
         log_dir=args.log_dir,
+        metrics_port=args.metrics_port,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        collect_detailed_traces=args.collect_detailed_traces,
     )
     cluster = LocalCluster(config)
     stop = threading.Event()
@@ -145,6 +148,11 @@ def _parser() -> argparse.ArgumentParser:
         help="torch threads per worker (default: all cores but one, left to the scheduler and frontend)",
     )
     serve.add_argument("--log-dir", default=None, help="write each service's log there instead of stderr")
+    serve.add_argument(
+        "--metrics-port", type=int, default=8001, help="scheduler /metrics (worker r: +1+r; -1: off; frontend: HTTP)"
+    )
+    serve.add_argument("--otlp-traces-endpoint", default=None, help="OTLP collector (default: OTEL_* variables)")
+    serve.add_argument("--collect-detailed-traces", action="store_true", help="trace engine steps and worker steps")
     serve.add_argument("--startup-timeout", type=float, default=600.0)
     _add_sampling_args(serve)
 

@@ -42,6 +42,10 @@ class LaunchConfig:
     extra_scheduler_args: list[str] = field(default_factory=list)
     extra_frontend_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # None: children log to this process's stderr
+    # Prometheus: the scheduler's /metrics port; worker rank r gets metrics_port + 1 + r; -1 disables both.
+    metrics_port: int = 8001
+    otlp_traces_endpoint: str | None = None  # None: the OTEL_* variables (inherited by every service) decide
+    collect_detailed_traces: bool = False
 
 
 @dataclass
@@ -84,24 +88,38 @@ class LocalCluster:
         self.services.append(service)
         return service
 
+    def _tracing_args(self) -> list[str]:
+        c = self.config
+        args = ["--otlp-traces-endpoint", c.otlp_traces_endpoint] if c.otlp_traces_endpoint else []
+        return args + (["--collect-detailed-traces"] if c.collect_detailed_traces else [])
+
+    def metrics_port(self, service: str) -> int:
+        """The /metrics port of `scheduler` or `worker{rank}` (-1: off)."""
+        c = self.config
+        if c.metrics_port < 0:
+            return -1
+        return c.metrics_port if service == "scheduler" else c.metrics_port + 1 + int(service.removeprefix("worker"))
+
     def start(self) -> None:
         c = self.config
         model = ["--model", c.model] if c.model else []
         threads = ["--num-threads", str(c.num_threads)] if c.num_threads else []
+        tracing = self._tracing_args()
         for rank, port in enumerate(c.worker_ports):
             args = ["--host", "127.0.0.1", "--worker-port", str(port), *model, "--dtype", c.dtype]
+            args += ["--metrics-port", str(self.metrics_port(f"worker{rank}")), *tracing]
             args += ["--kv-cache-memory", str(c.kv_cache_memory), "--max-num-seqs", str(c.max_num_seqs), *threads]
             self._spawn(
                 f"worker{rank}", "services.worker", args + c.extra_worker_args, f"127.0.0.1:{port}", WORKER_SERVICE
             )
         workers = ",".join(f"127.0.0.1:{p}" for p in c.worker_ports)
         args = ["--host", "127.0.0.1", "--scheduler-port", str(c.scheduler_port), "--worker-addrs", workers]
-        args += ["--max-num-seqs", str(c.max_num_seqs)]
+        args += ["--max-num-seqs", str(c.max_num_seqs), "--metrics-port", str(self.metrics_port("scheduler")), *tracing]
         self._spawn(
             "scheduler", "services.scheduler", args + c.extra_scheduler_args, self.scheduler_addr, SCHEDULER_SERVICE
         )
         args = ["--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port)]
-        args += ["--scheduler-addr", self.scheduler_addr, *model]
+        args += ["--scheduler-addr", self.scheduler_addr, *model, *tracing]
         self._spawn(
             "frontend", "services.frontend", args + c.extra_frontend_args, self.frontend_addr, GENERATION_SERVICE
         )
@@ -158,4 +176,10 @@ class LocalCluster:
         for s in self.services:
             if s.name.startswith("worker"):
                 out[s.name] = s.addr
+        if self.config.http_port >= 0:
+            out["metrics (frontend)"] = f"http://{self.config.host}:{self.config.http_port}/metrics"
+        for s in self.services:
+            port = self.metrics_port(s.name) if s.name != "frontend" else -1
+            if port >= 0:
+                out[f"metrics ({s.name})"] = f"http://127.0.0.1:{port}/metrics"
         return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from services.common.engine_flags import add_model_flags
 from services.common.flags import add_flag
+from services.common.telemetry import FRONTEND_SERVICE_NAME, TracingSettings, add_tracing_flags
 
 
 @dataclass
@@ -22,6 +23,7 @@ class FrontendConfig:
     max_inflight: int
     scheduler_timeout: float
     drain_timeout: float
+    tracing: TracingSettings
 
 
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
@@ -34,6 +36,7 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
     add_flag(p, "--max-inflight", default=4096, type=int, help="requests in flight before RESOURCE_EXHAUSTED")
     add_flag(p, "--scheduler-timeout", default=600.0, type=float, help="seconds to wait for the scheduler at start")
     add_flag(p, "--drain-timeout", default=60.0, type=float, help="seconds to finish in-flight streams on SIGTERM")
+    add_tracing_flags(p)
     a = p.parse_args(argv)
     return FrontendConfig(
         host=a.host,
@@ -46,4 +49,5 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         max_inflight=a.max_inflight,
         scheduler_timeout=a.scheduler_timeout,
         drain_timeout=a.drain_timeout,
+        tracing=TracingSettings.from_args(a, FRONTEND_SERVICE_NAME),
     )

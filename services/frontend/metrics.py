@@ -4,7 +4,12 @@ scheduler's engine gauges and counters (fetched with `Stats` at scrape time), so
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from collections.abc import Awaitable, Callable
+
+import grpc
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from services.common.metrics import (
     ITL_BUCKETS,
@@ -92,5 +97,21 @@ class SchedulerStatsCache:
         self.latest: scheduler_pb2.StatsResponse | None = None
 
 
-def register_scheduler_stats(registry: CollectorRegistry, cache: SchedulerStatsCache, model_name: str) -> None:
+def add_metrics_route(
+    app: FastAPI,
+    registry: CollectorRegistry,
+    model_name: str,
+    fetch: Callable[[], Awaitable[scheduler_pb2.StatsResponse]],
+) -> None:
+    """`GET /metrics`: this registry plus the scheduler's engine state, fetched with `Stats` for each scrape."""
+    cache = SchedulerStatsCache()
     registry.register(EngineStatsCollector(lambda: cache.latest, lambda: model_name))
+
+    async def metrics() -> Response:
+        try:
+            cache.latest = await fetch()
+        except grpc.aio.AioRpcError:
+            cache.latest = None  # NOTE: the scheduler's families are left out, the frontend's own still served
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)

@@ -85,6 +85,7 @@ def completion_inputs(req: CompletionRequest, trace: TraceContext, request_id: s
             priority=req.priority,
             cache_salt=req.cache_salt,
             trace=trace,
+            stream=bool(req.stream),
         )
         for i, prompt in enumerate(prompts)
     ]
@@ -106,7 +107,7 @@ def chat_input(req: ChatCompletionRequest, trace: TraceContext, request_id: str)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     prompt = PromptInput(messages=messages, add_generation_prompt=req.add_generation_prompt, field="messages")
-    return GenerateInput(prompt, params, request_id, req.priority, req.cache_salt, trace)
+    return GenerateInput(prompt, params, request_id, req.priority, req.cache_salt, trace, stream=bool(req.stream))
 
 
 def usage_info(usages: list[Usage]) -> UsageInfo:

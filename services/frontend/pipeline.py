@@ -15,13 +15,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
+from opentelemetry import trace as otel_trace
 
 from engine_core.llm import with_eos
 from engine_core.output_processor import OutputProcessor, StopMatch
 from engine_core.outputs import RequestOutput
+from services.common.logs import request_fields
+from services.common.telemetry import Telemetry
 from services.common.timeutil import now_ns
+from services.common.trace import TraceContext
 from services.convert.outputs import seq_output_from_proto
 from services.convert.params import params_to_proto
+from services.frontend.metrics import RequestMetrics
 from services.frontend.request import (
     ErrorCode,
     FinalInfo,
@@ -35,6 +40,7 @@ from services.frontend.request import (
 )
 from services.frontend.scheduler_client import SchedulerClient, rpc_error
 from services.frontend.tokenization import PromptTokenizer
+from services.frontend.tracing import RequestSpan, operation_name, request_attributes
 from services.rpc import common_pb2, scheduler_pb2
 
 log = structlog.get_logger(__name__)
@@ -44,12 +50,20 @@ MAX_REQUEST_ID_LEN = 256
 
 class RequestPipeline:
     def __init__(
-        self, tokenizer: PromptTokenizer, client: SchedulerClient, model: ModelDescription, max_inflight: int
+        self,
+        tokenizer: PromptTokenizer,
+        client: SchedulerClient,
+        model: ModelDescription,
+        max_inflight: int,
+        metrics: RequestMetrics | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.client = client
         self.model = model
         self.max_inflight = max_inflight
+        self.metrics = metrics
+        self.telemetry = telemetry
         self.processor = OutputProcessor(tokenizer.tokenizer)
         self.active: set[str] = set()
         self.draining = False
@@ -70,11 +84,28 @@ class RequestPipeline:
             raise RequestError.invalid(f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters")
         if request_id in self.active:
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in use", "request_id")
-        text, ids = self.tokenizer.encode(inp.prompt)
+        span = None
+        if self.telemetry is not None:
+            op = operation_name(inp.prompt.messages is not None)
+            attrs = request_attributes(op, self.model.name, inp.params, inp.stream)
+            span = RequestSpan(self.telemetry.tracer, f"{op} {self.model.name}", attrs)
         try:
-            params = with_eos(inp.params, self.model.eos_token_id, self.model.vocab_size)
-        except ValueError as e:
-            raise RequestError.invalid(str(e)) from e
+            if span is None:
+                text, ids = self.tokenizer.encode(inp.prompt)
+            else:
+                tokenize = span.tokenize_span()
+                try:
+                    text, ids = self.tokenizer.encode(inp.prompt)
+                finally:
+                    tokenize.end()
+            try:
+                params = with_eos(inp.params, self.model.eos_token_id, self.model.vocab_size)
+            except ValueError as e:
+                raise RequestError.invalid(str(e)) from e
+        except RequestError as e:
+            if span is not None:
+                span.finish(request_id, None, 0, e.code.value, e.message)
+            raise
         return PreparedRequest(
             request_id=request_id,
             prompt_text=text,
@@ -85,16 +116,17 @@ class RequestPipeline:
             trace=inp.trace,
             arrival_ns=arrival_ns,
             arrival_monotonic=arrival_mono,
+            span=span,
         )
 
-    def _submit_message(self, req: PreparedRequest) -> scheduler_pb2.SubmitRequest:
+    def _submit_message(self, req: PreparedRequest, trace: TraceContext) -> scheduler_pb2.SubmitRequest:
         return scheduler_pb2.SubmitRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
             sampling=params_to_proto(req.params),
             priority=req.priority,
             cache_salt=req.cache_salt or "",
-            trace=req.trace.to_proto(),
+            trace=trace.to_proto(),
             timestamps=common_pb2.RequestTimestamps(arrival_ns=req.arrival_ns),
         )
 
@@ -108,22 +140,41 @@ class RequestPipeline:
         self.active.add(rid)
         self.processor.add_request(rid, req.prompt_text, req.prompt_token_ids, req.params, req.arrival_monotonic)
         output = self.processor.requests[rid].output
-        call = self.client.submit(self._submit_message(req), req.trace.metadata())
+        span = req.span
+        if span is None:
+            # NOTE: tracing off: the client's context travels on unchanged (as message field and metadata).
+            call = self.client.submit(self._submit_message(req, req.trace), req.trace.metadata())
+        else:
+            # NOTE: the scheduler's parent is this frontend's request span (the client span of the call, which the
+            # interceptor injects as metadata, is its child), never the client's header unchanged.
+            with otel_trace.use_span(span.span, end_on_exit=False):
+                call = self.client.submit(self._submit_message(req, TraceContext.of_span(span.span)), ())
         done = False
         first = True
-        first_token_ns = scheduled_ns = 0
+        first_token_ns = scheduled_ns = last_token_ns = 0
+        timestamps = common_pb2.RequestTimestamps()
         plp_sent = 0
         error = ""
+        error_type: str | None = None
         try:
             async for msg in call:
+                t0 = span.detokenize_begin() if span is not None else 0.0
                 step = self.processor.process([seq_output_from_proto(rid, o) for o in msg.outputs])
+                if span is not None:
+                    span.detokenize_end(t0)
                 for stop in step.stops:
                     self._finish_choice(stop, req)
                 scheduled_ns = msg.timestamps.scheduled_ns or scheduled_ns
+                timestamps = msg.timestamps
                 error = msg.error or error
                 deltas = [d for u in step.updates for d in u.deltas]
-                if not first_token_ns and any(d.token_ids for d in deltas):
-                    first_token_ns = now_ns()
+                if any(d.token_ids for d in deltas):
+                    now = now_ns()
+                    if not first_token_ns:
+                        first_token_ns = now
+                    elif self.metrics is not None:
+                        self.metrics.observe_tokens((now - last_token_ns) / 1e9)
+                    last_token_ns = now
                 if msg.finished and not output.finished:
                     # NOTE: cannot happen with a healthy scheduler (it reports every choice's end); never hang.
                     self.processor.abort(rid)
@@ -140,17 +191,28 @@ class RequestPipeline:
                 if output.finished:
                     done = True
                     event.final = self._final(req, output, scheduled_ns, first_token_ns, error)
+                    self._record_end(req, event.final, timestamps)
                 if event.deltas or event.final is not None or event.prompt_logprobs or event.first:
                     yield event
                 if done:
                     return
             raise RequestError(ErrorCode.INTERNAL, "the scheduler ended the stream before the request finished")
         except grpc.aio.AioRpcError as e:
-            raise rpc_error(e) from e
+            err = rpc_error(e)
+            error_type = err.code.value
+            raise err from e
+        except RequestError as e:
+            error_type = e.code.value
+            raise
         finally:
             self.active.discard(rid)
             if not done:
                 self.processor.abort(rid)
+                error_type = error_type or "cancelled"
+                # NOTE: the one `request finished` line of a request that ended without its final message.
+                log.info("request finished", error=error_type, **request_fields(rid, self._trace_of(req)))
+            if span is not None:
+                span.finish(rid, output, len(req.prompt_token_ids), error_type, error)
             # NOTE: a no-op after a normal end; otherwise (client gone, stop strings ended every choice) the
             # cancellation reaches the scheduler as an abort.
             call.cancel()
@@ -165,6 +227,29 @@ class RequestPipeline:
         task = asyncio.ensure_future(send())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    @staticmethod
+    def _trace_of(req: PreparedRequest) -> TraceContext:
+        return req.trace if req.span is None else TraceContext.of_span(req.span.span)
+
+    def _record_end(self, req: PreparedRequest, final: FinalInfo, ts: common_pb2.RequestTimestamps) -> None:
+        """The request's metrics and its one `request finished` log line (no prompt text: never at info)."""
+        reasons = [c.finish_reason or "" for c in final.output.outputs]
+        u, t = final.usage, final.timings
+        ttft = t.ttft_s if u.completion_tokens else None
+        if self.metrics is not None:
+            self.metrics.observe_end(reasons, u.prompt_tokens, u.completion_tokens, ttft, t.e2e_s, ts)
+        log.info(
+            "request finished",
+            **request_fields(req.request_id, self._trace_of(req)),
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
+            cached_tokens=u.cached_tokens,
+            finish_reasons=reasons,
+            ttft_s=round(t.ttft_s, 4),
+            e2e_s=round(t.e2e_s, 4),
+            error=final.error or None,
+        )
 
     @staticmethod
     def _final(

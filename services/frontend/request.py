@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_core.output_processor import ChoiceDelta
 from engine_core.outputs import PositionLogprobs, RequestOutput
 from engine_core.sampling_params import SamplingParams
 from services.common.trace import TraceContext
+
+if TYPE_CHECKING:
+    from services.frontend.tracing import RequestSpan
 
 
 class ErrorCode(enum.Enum):
@@ -64,6 +68,7 @@ class GenerateInput:
     priority: int = 0
     cache_salt: str | None = None
     trace: TraceContext = field(default_factory=TraceContext)
+    stream: bool = True  # the caller streams (for the trace; the pipeline streams either way)
 
 
 @dataclass
@@ -79,6 +84,7 @@ class PreparedRequest:
     trace: TraceContext
     arrival_ns: int
     arrival_monotonic: float
+    span: RequestSpan | None = None  # only when tracing is on
 
 
 @dataclass

@@ -30,9 +30,9 @@ def rpc_error(e: grpc.aio.AioRpcError) -> RequestError:
 
 
 class SchedulerClient:
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, interceptors: list[grpc.aio.ClientInterceptor] | None = None) -> None:
         self.addr = addr
-        self.channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self.channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS, interceptors=interceptors)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
 
     async def wait_ready(self, timeout: float) -> scheduler_pb2.InfoResponse:

@@ -17,14 +17,18 @@ import structlog
 import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+from prometheus_client import CollectorRegistry
 
 from engine_core.model_loader import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import HEALTH_SERVICE, SERVING, ServiceHealth
 from services.common.logs import configure_logging
 from services.common.signals import ignore_late_signals, shutdown_event
+from services.common.telemetry import Telemetry, setup_tracing
 from services.frontend.config import FrontendConfig, parse_frontend_args
 from services.frontend.grpc_api import GenerationServicer
+from services.frontend.metrics import RequestMetrics, add_metrics_route
 from services.frontend.openai_api import create_app
 from services.frontend.pipeline import RequestPipeline
 from services.frontend.request import ModelDescription
@@ -42,7 +46,9 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-async def _load_pipeline(config: FrontendConfig, client: SchedulerClient) -> RequestPipeline:
+async def _load_pipeline(
+    config: FrontendConfig, client: SchedulerClient, registry: CollectorRegistry, telemetry: Telemetry | None
+) -> RequestPipeline:
     model_dir = await asyncio.to_thread(resolve_model_dir, config.model, config.cache_dir)
     hf_tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer or model_dir)
     info = await client.wait_ready(config.scheduler_timeout)
@@ -66,7 +72,8 @@ async def _load_pipeline(config: FrontendConfig, client: SchedulerClient) -> Req
         eos_token_id=eos,
         has_chat_template=tokenizer.has_chat_template,
     )
-    return RequestPipeline(tokenizer, client, model, config.max_inflight)
+    metrics = RequestMetrics(registry, model.name, model.max_model_len)
+    return RequestPipeline(tokenizer, client, model, config.max_inflight, metrics, telemetry)
 
 
 async def _watch_scheduler(client: SchedulerClient, health: ServiceHealth, pipeline: RequestPipeline) -> None:
@@ -84,8 +91,10 @@ async def _watch_scheduler(client: SchedulerClient, health: ServiceHealth, pipel
         await asyncio.sleep(1.0)
 
 
-async def serve(config: FrontendConfig) -> int:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+async def serve(config: FrontendConfig, telemetry: Telemetry | None = None) -> int:
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=telemetry.server_interceptors() if telemetry is not None else None
+    )
     servicer = GenerationServicer()
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = ServiceHealth(server, [GENERATION_SERVICE])
@@ -95,8 +104,9 @@ async def serve(config: FrontendConfig) -> int:
     await server.start()
     log.info("frontend gRPC listening", addr=f"{config.host}:{grpc_port}", scheduler=config.scheduler_addr)
     stop = shutdown_event()
-    client = SchedulerClient(config.scheduler_addr)
-    loading = asyncio.ensure_future(_load_pipeline(config, client))
+    client = SchedulerClient(config.scheduler_addr, telemetry.client_interceptors() if telemetry is not None else None)
+    registry = CollectorRegistry()
+    loading = asyncio.ensure_future(_load_pipeline(config, client, registry, telemetry))
     await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():
         loading.cancel()
@@ -108,6 +118,15 @@ async def serve(config: FrontendConfig) -> int:
     http_task: asyncio.Future[None] | None = None
     if config.http_port is not None:
         app = create_app(pipeline, lambda: health.serving)
+        add_metrics_route(app, registry, pipeline.model.name, client.stats)
+        if telemetry is not None:
+            # NOTE: no spans for each ASGI send/receive (one per streamed chunk), nor for probes and scrapes.
+            FastAPIInstrumentor.instrument_app(
+                app,
+                tracer_provider=telemetry.provider,
+                excluded_urls="/health,/metrics",
+                exclude_spans=["receive", "send"],
+            )
         uv_config = uvicorn.Config(
             app, host=config.host, port=config.http_port, log_level="warning", access_log=False, lifespan="off"
         )
@@ -142,6 +161,11 @@ async def serve(config: FrontendConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     configure_logging("frontend")
     config = parse_frontend_args(argv)
-    code = asyncio.run(serve(config))
+    telemetry = setup_tracing(config.tracing)
+    try:
+        code = asyncio.run(serve(config, telemetry))
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()  # NOTE: after the drain: the spans of the last requests are flushed
     ignore_late_signals()
     return code

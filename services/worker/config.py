@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from engine_core.config import EngineConfig
 from services.common.engine_flags import add_model_flags, add_worker_engine_flags
 from services.common.flags import add_flag, optional_int
+from services.common.telemetry import WORKER_SERVICE_NAME, TracingSettings, add_tracing_flags
 
 
 @dataclass
@@ -17,6 +18,8 @@ class WorkerConfig:
     engine: EngineConfig
     drain_timeout: float  # seconds to keep serving steps after SIGTERM
     drain_idle: float  # after SIGTERM, exit once no step arrived for this long
+    metrics_port: int  # Prometheus /metrics (-1: off)
+    tracing: TracingSettings
 
 
 def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
@@ -29,6 +32,8 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     add_flag(p, "--num-kv-blocks", default=None, type=optional_int, help="fixed block count (skips profiling)")
     add_flag(p, "--drain-timeout", default=30.0, type=float, help="seconds to drain after SIGTERM")
     add_flag(p, "--drain-idle", default=1.0, type=float, help="idle seconds that end a drain")
+    add_flag(p, "--metrics-port", default=8002, type=int, help="Prometheus /metrics port on --host (-1 disables)")
+    add_tracing_flags(p)
     a = p.parse_args(argv)
     try:
         engine = EngineConfig(
@@ -48,4 +53,5 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
         )
     except ValueError as e:
         p.error(str(e))
-    return WorkerConfig(a.host, a.worker_port, engine, a.drain_timeout, a.drain_idle)
+    tracing = TracingSettings.from_args(a, WORKER_SERVICE_NAME)
+    return WorkerConfig(a.host, a.worker_port, engine, a.drain_timeout, a.drain_idle, a.metrics_port, tracing)

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
+from prometheus_client import CollectorRegistry
 
 from engine_core.model_loader import model_name, resolve_model_dir
 from engine_core.model_runner import ModelRunner
@@ -20,10 +21,14 @@ from engine_core.plan import SchedulerOutput
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
+from services.common.metrics import serve_metrics
 from services.common.signals import ignore_late_signals, shutdown_event
+from services.common.telemetry import Telemetry, setup_tracing
 from services.convert.plan import plan_from_proto, result_to_proto
 from services.rpc import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from services.worker.config import WorkerConfig, parse_worker_args
+from services.worker.metrics import WorkerMetrics
+from services.worker.tracing import record_execute
 
 log = structlog.get_logger(__name__)
 
@@ -33,8 +38,12 @@ class StepError(Exception):
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(
+        self, config: WorkerConfig, metrics: WorkerMetrics | None = None, telemetry: Telemetry | None = None
+    ) -> None:
         self.config = config
+        self.metrics = metrics
+        self.telemetry = telemetry
         self.runner: ModelRunner | None = None
         self.model_dir: str | None = None
         self.epoch = ""
@@ -130,13 +139,22 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.live.difference_update(plan.finished_seq_ids)
         self.live.update(s.seq_id for s in plan.new_seqs)
         resp = result_to_proto(out) if request.return_samples else worker_pb2.ExecuteResponse()
-        resp.execute_s = time.perf_counter() - t0
+        end = time.perf_counter()
+        resp.execute_s = end - t0
+        if self.metrics is not None:
+            self.metrics.observe_step(resp.execute_s, len(request.scheduled_seq_ids), plan.total_num_scheduled_tokens)
+        if self.telemetry is not None and request.trace.traceparent:
+            record_execute(self.telemetry.tracer, request, self.runner.last_timings, self.rank, end)
         return resp
 
 
-async def serve(config: WorkerConfig) -> None:
+async def serve(config: WorkerConfig, telemetry: Telemetry | None = None) -> None:
+    # NOTE: no tracing interceptor: only steps the scheduler traced carry a context (see services/worker/tracing.py).
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    servicer = WorkerServicer(config)
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, model_name(config.engine.model))
+    serve_metrics(config.host, config.metrics_port, registry)
+    servicer = WorkerServicer(config, metrics, telemetry)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = ServiceHealth(server, [WORKER_SERVICE])
     await health.set_serving(False)
@@ -164,6 +182,11 @@ async def serve(config: WorkerConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     configure_logging("worker")
     config = parse_worker_args(argv)
-    asyncio.run(serve(config))
+    telemetry = setup_tracing(config.tracing)
+    try:
+        asyncio.run(serve(config, telemetry))
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()  # NOTE: after the drain: the last steps' spans are flushed
     ignore_late_signals()
     return 0
