@@ -46,6 +46,7 @@ class LaunchConfig:
     metrics_port: int = 8001
     otlp_traces_endpoint: str | None = None  # None: the OTEL_* variables (inherited by every service) decide
     collect_detailed_traces: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment for every service
 
 
 @dataclass
@@ -81,7 +82,7 @@ class LocalCluster:
         if self.config.log_dir is not None:
             Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
             log = open(Path(self.config.log_dir) / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        env = dict(os.environ)
+        env = dict(os.environ) | self.config.env
         env.setdefault("PYTHONUNBUFFERED", "1")
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=log, env=env)
         service = Service(name, addr, health_service, proc, log)

@@ -195,8 +195,13 @@ class RequestPipeline:
                 if event.deltas or event.final is not None or event.prompt_logprobs or event.first:
                     yield event
                 if done:
-                    return
-            raise RequestError(ErrorCode.INTERNAL, "the scheduler ended the stream before the request finished")
+                    break
+            if not done:
+                raise RequestError(ErrorCode.INTERNAL, "the scheduler ended the stream before the request finished")
+            # NOTE: read on to the stream's end (the scheduler closes it right after the final message) so the call
+            # completes instead of being cancelled: the tracing interceptor ends its client span only then.
+            async for _ in call:
+                pass
         except grpc.aio.AioRpcError as e:
             err = rpc_error(e)
             error_type = err.code.value

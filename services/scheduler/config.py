@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from services.common.engine_flags import add_scheduler_engine_flags
 from services.common.flags import add_flag
+from services.common.telemetry import SCHEDULER_SERVICE_NAME, TracingSettings, add_tracing_flags
 
 
 @dataclass
@@ -23,6 +24,8 @@ class SchedulerConfig:
     worker_timeout: float  # seconds to wait for the workers at start (and after a worker failure)
     step_timeout: float  # seconds one Execute may take before the worker counts as failed
     drain_timeout: float
+    metrics_port: int  # Prometheus /metrics (-1: off)
+    tracing: TracingSettings
 
 
 def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
@@ -35,6 +38,8 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
     add_flag(p, "--worker-timeout", default=600.0, type=float, help="seconds to wait for workers to be ready")
     add_flag(p, "--step-timeout", default=300.0, type=float, help="seconds one step may take")
     add_flag(p, "--drain-timeout", default=60.0, type=float, help="seconds to finish in-flight requests on SIGTERM")
+    add_flag(p, "--metrics-port", default=8001, type=int, help="Prometheus /metrics port on --host (-1 disables)")
+    add_tracing_flags(p)
     a = p.parse_args(argv)
     workers = [w.strip() for w in a.worker_addrs.split(",") if w.strip()]
     if not workers:
@@ -54,4 +59,6 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
         worker_timeout=a.worker_timeout,
         step_timeout=a.step_timeout,
         drain_timeout=a.drain_timeout,
+        metrics_port=a.metrics_port,
+        tracing=TracingSettings.from_args(a, SCHEDULER_SERVICE_NAME),
     )

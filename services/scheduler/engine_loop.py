@@ -16,14 +16,20 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
+from prometheus_client import CollectorRegistry
 
 from engine_core.config import EngineConfig
 from engine_core.core_output import SeqOutput
 from engine_core.engine import EngineCore
+from engine_core.plan import NewSequenceData
 from engine_core.request import FinishReason, Request
+from services.common.telemetry import Telemetry
 from services.common.timeutil import monotonic_to_ns
+from services.common.trace import TraceContext
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.executor import RemoteExecutor, WorkerGroupInfo, WorkerMismatchError
+from services.scheduler.metrics import StepMetrics
+from services.scheduler.tracing import StepTracer
 
 log = structlog.get_logger(__name__)
 
@@ -53,6 +59,8 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     preemptions: int = 0
+    running_requests: int = 0
+    waiting_requests: int = 0
     steps: int = 0
     step_seconds: float = 0.0
     worker_seconds: float = 0.0
@@ -85,11 +93,21 @@ Publish = Callable[[list[RequestEvent]], None]
 
 
 class EngineLoop:
-    def __init__(self, config: SchedulerConfig, publish: Publish, on_ready: Callable[[bool], None]) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        publish: Publish,
+        on_ready: Callable[[bool], None],
+        telemetry: Telemetry | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.config = config
         self.publish = publish
         self.on_ready = on_ready
+        self.registry = registry
         self.executor = RemoteExecutor(config.worker_addrs, config.step_timeout)
+        if telemetry is not None and telemetry.detailed:
+            self.executor.step_tracer = StepTracer(telemetry.tracer, self._identify)
         self.info: WorkerGroupInfo | None = None
         self.core: EngineCore | None = None
         self.stats = SchedulerStats()  # NOTE: replaced whole after each iteration, so readers see one snapshot
@@ -165,6 +183,8 @@ class EngineLoop:
             num_kv_blocks=num_blocks,
         )
         core = EngineCore(engine_config, self.executor, info.max_model_len, num_blocks)
+        if self.registry is not None and self.executor.step_metrics is None:
+            self.executor.step_metrics = StepMetrics(self.registry, info.model)
         self.executor.request_of = lambda seq_id: s.request if (s := core.scheduler.seqs.get(seq_id)) else None
         self.info, self.core = info, core
         self._publish_stats()
@@ -206,6 +226,12 @@ class EngineLoop:
         if events:
             self.publish(list(events.values()))
         self._publish_stats()
+
+    def _identify(self, new: NewSequenceData) -> tuple[str, TraceContext]:
+        request = self.executor.request_of(new.seq_id)
+        if request is None:
+            return "", TraceContext()
+        return request.request_id, TraceContext.from_dict(request.trace_context)
 
     def _take_commands(self, block: bool) -> list[_Command]:
         cmds: list[_Command] = []
@@ -289,6 +315,7 @@ class EngineLoop:
             return
         sched = core.scheduler
         pool = sched.kv.pool
+        running_requests = len({s.request.request_id for s in sched.running})
         self.stats = SchedulerStats(
             ready=True,
             running=len(sched.running),
@@ -300,6 +327,8 @@ class EngineLoop:
             prefix_cache_queries=sched.kv.stats.queries,
             prefix_cache_hits=sched.kv.stats.hits,
             preemptions=sched.num_preemptions,
+            running_requests=running_requests,
+            waiting_requests=len(sched.requests) - running_requests,
             steps=self._steps,
             step_seconds=self._step_s,
             worker_seconds=self._worker_s,

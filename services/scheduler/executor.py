@@ -13,13 +13,17 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
+from opentelemetry.trace import Span
 
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.request import Request
 from services.common.grpc_opts import CHANNEL_OPTIONS
 from services.common.health import wait_serving
+from services.common.trace import TraceContext
 from services.convert.plan import plan_to_proto, result_from_proto
 from services.rpc import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from services.scheduler.metrics import StepMetrics
+from services.scheduler.tracing import StepTracer
 
 log = structlog.get_logger(__name__)
 
@@ -51,6 +55,8 @@ class RemoteExecutor:
         self.step = 0
         self.request_of: Callable[[int], Request | None] = lambda _seq_id: None
         self.last_worker_s = 0.0  # the worker's own time on the last step (the rest is transport)
+        self.step_tracer: StepTracer | None = None  # detailed traces only
+        self.step_metrics: StepMetrics | None = None
 
     def connect(self, timeout: float) -> WorkerGroupInfo:
         """Waits for every rank to be SERVING and checks that they run the same model the same way."""
@@ -79,15 +85,29 @@ class RemoteExecutor:
         """Allocates the cache on every rank under a fresh epoch (a restarted worker cannot run stale steps)."""
         self.epoch = uuid.uuid4().hex
         self.step = 0
+        if self.step_tracer is not None:
+            self.step_tracer.reset()
         world = len(self._stubs)
         for rank, stub in enumerate(self._stubs):
             req = worker_pb2.InitCacheRequest(num_blocks=num_blocks, rank=rank, world_size=world, epoch=self.epoch)
             stub.InitCache(req, timeout=120.0)
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        span = self.step_tracer.start(plan, self.step) if self.step_tracer is not None else None
+        if self.step_metrics is not None:
+            self.step_metrics.observe(plan.total_num_scheduled_tokens)
+        try:
+            return self._execute(plan, span)
+        finally:
+            if span is not None:
+                span.end()
+
+    def _execute(self, plan: SchedulerOutput, span: Span | None) -> ModelRunnerOutput:
         req = plan_to_proto(plan, epoch=self.epoch, step=self.step, request_of=self.request_of)
         self.step += 1
         req.return_samples = True
+        if span is not None:
+            req.trace.CopyFrom(TraceContext.of_span(span).to_proto())
         if len(self._stubs) == 1:
             resp = self._stubs[0].Execute(req, timeout=self.step_timeout)
         else:

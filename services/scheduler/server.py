@@ -12,13 +12,18 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import Span
+from prometheus_client import CollectorRegistry
 
 from engine_core.prompt_checks import check_token_ids
 from engine_core.request import Request
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
+from services.common.metrics import serve_metrics
 from services.common.signals import ignore_late_signals, shutdown_event
+from services.common.telemetry import Telemetry, setup_tracing
 from services.common.timeutil import now_ns
 from services.common.trace import TraceContext
 from services.convert.outputs import seq_output_to_proto
@@ -26,25 +31,42 @@ from services.convert.params import params_from_proto
 from services.rpc import SCHEDULER_SERVICE, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerConfig, parse_scheduler_args
 from services.scheduler.engine_loop import EngineLoop, RequestEvent
+from services.scheduler.metrics import scheduler_registry
+from services.scheduler.tracing import record_request
 
 log = structlog.get_logger(__name__)
 
 
 class _Stream:
-    """One Submit call: its outbox and the timestamps the frontend sent."""
+    """One Submit call: its outbox, the timestamps the frontend sent, and (tracing on) its server span."""
 
-    def __init__(self, timestamps: common_pb2.RequestTimestamps, trace: common_pb2.TraceContext) -> None:
+    def __init__(
+        self,
+        timestamps: common_pb2.RequestTimestamps,
+        trace: common_pb2.TraceContext,
+        request: Request,
+        span: Span | None,
+    ) -> None:
         self.queue: asyncio.Queue[scheduler_pb2.SubmitResponse] = asyncio.Queue()
         self.timestamps = timestamps
         self.trace = trace
+        self.request = request
+        self.span = span
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, config: SchedulerConfig, health: ServiceHealth) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        health: ServiceHealth,
+        telemetry: Telemetry | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.config = config
         self.health = health
+        self.telemetry = telemetry
         self.loop = asyncio.get_running_loop()
-        self.engine = EngineLoop(config, self._publish_threadsafe, self._on_ready_threadsafe)
+        self.engine = EngineLoop(config, self._publish_threadsafe, self._on_ready_threadsafe, telemetry, registry)
         self.streams: dict[str, _Stream] = {}
         self.ready = False
         self.draining = False
@@ -135,13 +157,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         ts = common_pb2.RequestTimestamps()
         ts.CopyFrom(request.timestamps)
         ts.queued_ns = now_ns()
-        stream = self.streams[rid] = _Stream(ts, request.trace)
+        span = None
+        if self.telemetry is not None:
+            # NOTE: the interceptor's server span (child of the frontend's call) is current here; it becomes the
+            # request's context, which the step spans link to and the worker receives.
+            span = otel_trace.get_current_span()
+            tc = TraceContext.of_span(span)
+            if tc.traceparent:
+                engine_request.trace_context = tc.as_dict()
+        stream = self.streams[rid] = _Stream(ts, request.trace, engine_request, span)
         self.engine.add(engine_request)
         finished = False
         try:
             while not finished:
                 msg = await stream.queue.get()
                 finished = msg.finished
+                if finished and span is not None and self.telemetry is not None:
+                    # NOTE: before the last message: the interceptor ends the span when the stream ends.
+                    record_request(self.telemetry.tracer, span, engine_request)
                 yield msg
         finally:
             self.streams.pop(rid, None)
@@ -167,6 +200,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Stats(
         self, request: scheduler_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.StatsResponse:
+        return self.stats_response()
+
+    def stats_response(self) -> scheduler_pb2.StatsResponse:
+        """The Stats RPC's answer; also what the scheduler's /metrics reads (from the metrics server's thread)."""
         s = self.engine.stats
         return scheduler_pb2.StatsResponse(
             running=s.running,
@@ -183,6 +220,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             draining=self.draining,
             step_seconds=s.step_seconds,
             worker_seconds=s.worker_seconds,
+            running_requests=s.running_requests,
+            waiting_requests=s.waiting_requests,
         )
 
     async def Info(
@@ -220,11 +259,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         await asyncio.to_thread(self.engine.stop)
 
 
-async def serve(config: SchedulerConfig) -> int:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+async def serve(config: SchedulerConfig, telemetry: Telemetry | None = None) -> int:
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=telemetry.server_interceptors() if telemetry is not None else None
+    )
     health = ServiceHealth(server, [SCHEDULER_SERVICE])
     await health.set_serving(False)
-    servicer = SchedulerServicer(config, health)
+    servicer: SchedulerServicer | None = None
+
+    def snapshot() -> scheduler_pb2.StatsResponse | None:
+        ready = servicer is not None and servicer.engine.stats.ready
+        return servicer.stats_response() if ready and servicer is not None else None
+
+    def model() -> str:
+        info = servicer.engine.info if servicer is not None else None
+        return info.model if info is not None else ""
+
+    registry = scheduler_registry(snapshot, model)
+    servicer = SchedulerServicer(config, health, telemetry, registry)
+    serve_metrics(config.host, config.metrics_port, registry)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
@@ -246,6 +299,11 @@ async def serve(config: SchedulerConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     configure_logging("scheduler")
     config = parse_scheduler_args(argv)
-    code = asyncio.run(serve(config))
+    telemetry = setup_tracing(config.tracing)
+    try:
+        code = asyncio.run(serve(config, telemetry))
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()  # NOTE: after the drain: the last requests' spans are flushed
     ignore_late_signals()
     return code

@@ -13,13 +13,12 @@ served alone has its steps, and the worker's `Execute` under them, in its own tr
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable
 
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind
 
-from engine_core.plan import SchedulerOutput
+from engine_core.plan import NewSequenceData, SchedulerOutput
 from engine_core.request import Request
 from services.common.timeutil import monotonic_to_ns
 from services.common.trace import TraceContext, span_context_of
@@ -73,53 +72,67 @@ def record_request(tracer: trace.Tracer, span: Span, request: Request) -> None:
     span.set_attributes(attrs)
 
 
-class StepTracer:
-    """Opens the span of one engine step (engine thread only) and hands its context to the Execute message."""
+# Who a new sequence serves: its request id and the W3C context of the request's Submit span.
+Identify = Callable[[NewSequenceData], tuple[str, TraceContext]]
 
-    def __init__(self, tracer: trace.Tracer, max_per_second: float = MAX_STEP_SPANS_PER_SECOND) -> None:
+
+class StepTracer:
+    """Opens the span of one engine step (engine thread only) and hands its context to the Execute message.
+
+    It follows the plan's deltas as a worker does (new sequences arrive with their request's context, finished ones
+    leave), so a step's links cost a dict lookup per scheduled sequence, and only with detailed traces on.
+    """
+
+    def __init__(
+        self, tracer: trace.Tracer, identify: Identify, max_per_second: float = MAX_STEP_SPANS_PER_SECOND
+    ) -> None:
         self.tracer = tracer
+        self.identify = identify
         self.max_per_second = max_per_second
         self._tokens = max_per_second  # token bucket: up to one second's worth in a burst
         self._refilled = time.monotonic()
-        # NOTE: parsed once per request, forgotten with the request (weak keys: no bookkeeping on finish).
-        self._contexts: weakref.WeakKeyDictionary[Request, SpanContext | None] = weakref.WeakKeyDictionary()
+        self._sampled: dict[int, tuple[str, SpanContext]] = {}  # seq_id -> (request_id, its sampled context)
 
-    def _context(self, request: Request) -> SpanContext | None:
-        try:
-            return self._contexts[request]
-        except KeyError:
-            ctx = span_context_of(TraceContext.from_dict(request.trace_context))
-            ctx = ctx if ctx is not None and ctx.trace_flags.sampled else None
-            self._contexts[request] = ctx
-            return ctx
+    def reset(self) -> None:
+        """A new cache epoch: the sequence ids start over."""
+        self._sampled.clear()
 
-    def _allow(self) -> bool:
+    def _follow(self, plan: SchedulerOutput) -> None:
+        for seq_id in plan.finished_seq_ids:
+            self._sampled.pop(seq_id, None)
+        for new in plan.new_seqs:
+            request_id, tc = self.identify(new)
+            ctx = span_context_of(tc)
+            if ctx is not None and ctx.trace_flags.sampled:
+                self._sampled[new.seq_id] = (request_id, ctx)
+
+    def _allow_soon(self) -> bool:
+        """True when the bucket holds a token by now (checked before scanning the batch)."""
+        return self._tokens + (time.monotonic() - self._refilled) * self.max_per_second >= 1.0
+
+    def _take(self) -> None:
         now = time.monotonic()
-        self._tokens = min(self.max_per_second, self._tokens + (now - self._refilled) * self.max_per_second)
+        self._tokens = min(self.max_per_second, self._tokens + (now - self._refilled) * self.max_per_second) - 1.0
         self._refilled = now
-        if self._tokens < 1.0:
-            return False
-        self._tokens -= 1.0
-        return True
 
-    def start(self, plan: SchedulerOutput, step: int, request_of: Callable[[int], Request | None]) -> Span | None:
+    def start(self, plan: SchedulerOutput, step: int) -> Span | None:
         """The step's span, or None (no sampled request in it, or over the rate cap)."""
-        if plan.is_empty or not self._allow_soon():
+        self._follow(plan)
+        if plan.is_empty or not self._sampled or not self._allow_soon():
             return None
         links: list[Link] = []
-        seen: set[int] = set()
+        seen: set[str] = set()
         num_decode = 0
         for seq_id, n in plan.num_scheduled_tokens.items():
             num_decode += n == 1
-            request = request_of(seq_id)
-            if request is None or id(request) in seen or len(links) >= MAX_STEP_LINKS:
+            entry = self._sampled.get(seq_id)
+            if entry is None or entry[0] in seen or len(links) >= MAX_STEP_LINKS:
                 continue
-            seen.add(id(request))
-            ctx = self._context(request)
-            if ctx is not None:
-                links.append(Link(ctx, {"gen_ai.request.id": request.request_id}))
-        if not links or not self._allow():
+            seen.add(entry[0])
+            links.append(Link(entry[1], {"gen_ai.request.id": entry[0]}))
+        if not links:
             return None
+        self._take()
         batch = len(plan.num_scheduled_tokens)
         # NOTE: decode rows schedule one token; a one-token prefill chunk would count as decode (rare, harmless).
         attrs = {
@@ -134,7 +147,3 @@ class StepTracer:
         }
         parent = trace.set_span_in_context(trace.NonRecordingSpan(links[0].context))
         return self.tracer.start_span("step", context=parent, kind=SpanKind.CLIENT, links=links, attributes=attrs)
-
-    def _allow_soon(self) -> bool:
-        """True when the bucket will hold a token by now (checked before scanning the batch)."""
-        return self._tokens + (time.monotonic() - self._refilled) * self.max_per_second >= 1.0

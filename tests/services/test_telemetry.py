@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from engine_core.outputs import CompletionOutput, RequestOutput
+from engine_core.plan import NewSequenceData
 from engine_core.request import Request
 from engine_core.sampling_params import SamplingParams
 from engine_core.step_timings import StepTimings
@@ -27,7 +28,7 @@ from services.common.telemetry import (
 from services.common.trace import TraceContext, span_context_of
 from services.frontend.tracing import RequestSpan, operation_name, request_attributes
 from services.rpc import worker_pb2
-from services.scheduler.tracing import StepTracer, record_request
+from services.scheduler.tracing import Identify, StepTracer, record_request
 from services.worker.tracing import record_execute
 from tests.services.otlp_receiver import OtlpReceiver
 from tests.test_scheduler import Harness, make_request, make_scheduler
@@ -177,8 +178,10 @@ def test_scheduler_request_phases_events_and_latency(memory: tuple[trace.Tracer,
     assert a["gen_ai.latency.e2e"] >= a["gen_ai.latency.time_to_first_token"]
 
 
-def _traced_request(tracer: trace.Tracer, rid: str, sampled: bool = True) -> tuple[Request, trace.Span]:
-    req = make_request([5, 6, 7, 8], request_id=rid, max_tokens=3)
+def _traced_request(
+    tracer: trace.Tracer, rid: str, sampled: bool = True, max_tokens: int = 3
+) -> tuple[Request, trace.Span]:
+    req = make_request([5, 6, 7, 8], request_id=rid, max_tokens=max_tokens)
     span = tracer.start_span(f"submit {rid}")
     tc = TraceContext.of_span(span)
     if not sampled:
@@ -186,6 +189,14 @@ def _traced_request(tracer: trace.Tracer, rid: str, sampled: bool = True) -> tup
     req.trace_context = tc.as_dict()
     span.end()
     return req, span
+
+
+def _identify(h: Harness) -> Identify:
+    def identify(new: NewSequenceData) -> tuple[str, TraceContext]:
+        request = h.sched.seqs[new.seq_id].request
+        return request.request_id, TraceContext.from_dict(request.trace_context)
+
+    return identify
 
 
 def test_step_span_links_requests_and_parents_on_the_first(memory: tuple[trace.Tracer, InMemorySpanExporter]) -> None:
@@ -196,9 +207,8 @@ def test_step_span_links_requests_and_parents_on_the_first(memory: tuple[trace.T
     c, _ = _traced_request(tracer, "c", sampled=False)
     for r in (a, b, c):
         h.add(r)
-    plan = h.sched.schedule()
-    steps = StepTracer(tracer, max_per_second=1000)
-    span = steps.start(plan, 0, lambda seq_id: h.sched.seqs[seq_id].request)
+    steps = StepTracer(tracer, _identify(h), max_per_second=1000)
+    span = steps.start(h.step(), 0)
     assert span is not None
     span.end()
     (step,) = [s for s in exporter.get_finished_spans() if s.name == "step"]
@@ -209,6 +219,11 @@ def test_step_span_links_requests_and_parents_on_the_first(memory: tuple[trace.T
     assert step.attributes["pagoda.step.batch_size"] == 3
     assert step.attributes["pagoda.step.num_scheduled_tokens"] == 12
     assert step.attributes["pagoda.step.num_prefill_seqs"] == 3
+    # later steps: the sequences are known from their first step (decode steps carry no context)
+    span = steps.start(h.step(), 1)
+    assert span is not None
+    span.end()
+    assert {link.context.span_id for link in exporter.get_finished_spans()[-1].links} == linked
 
 
 def test_step_spans_only_for_sampled_requests_and_rate_capped(
@@ -216,20 +231,14 @@ def test_step_spans_only_for_sampled_requests_and_rate_capped(
 ) -> None:
     tracer, _ = memory
     h = Harness(make_scheduler())
-    unsampled, _ = _traced_request(tracer, "u", sampled=False)
-    h.add(unsampled)
-    lookup = lambda seq_id: h.sched.seqs[seq_id].request  # noqa: E731
-    steps = StepTracer(tracer, max_per_second=2)
-    assert steps.start(h.sched.schedule(), 0, lookup) is None
-    h2 = Harness(make_scheduler())
-    sampled, _ = _traced_request(tracer, "s")
-    h2.add(sampled)
-    plan = h2.sched.schedule()
-    lookup2 = lambda seq_id: h2.sched.seqs[seq_id].request  # noqa: E731
-    started = [steps.start(plan, i, lookup2) for i in range(5)]
+    h.add(_traced_request(tracer, "u", sampled=False)[0])
+    steps = StepTracer(tracer, _identify(h), max_per_second=2)
+    assert steps.start(h.step(), 0) is None
+    h.add(_traced_request(tracer, "s", max_tokens=20)[0])
+    started = [steps.start(h.step(), i) for i in range(1, 6)]
     assert sum(s is not None for s in started) == 2  # a burst of one second's worth, then nothing
     time.sleep(0.6)
-    assert steps.start(plan, 5, lookup2) is not None  # refilled at 2 per second
+    assert steps.start(h.step(), 6) is not None  # refilled at 2 per second
 
 
 # ---- worker -------------------------------------------------------------------------------------------------------
