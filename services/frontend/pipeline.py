@@ -136,7 +136,10 @@ class RequestPipeline:
         aborts the request there."""
         rid = req.request_id
         if rid in self.active:
-            raise RequestError(ErrorCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use", "request_id")
+            err = RequestError(ErrorCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use", "request_id")
+            if req.span is not None:
+                req.span.finish(rid, None, len(req.prompt_token_ids), err.code.value, err.message)
+            raise err
         self.active.add(rid)
         self.processor.add_request(rid, req.prompt_text, req.prompt_token_ids, req.params, req.arrival_monotonic)
         output = self.processor.requests[rid].output
