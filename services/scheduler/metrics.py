@@ -1,13 +1,11 @@
-"""The scheduler's Prometheus metrics (served on `--metrics-port`): the engine's state and tokens per step."""
+"""The scheduler's own Prometheus histogram (tokens per step); its engine gauges and counters are the shared
+`EngineStatsCollector` over its Stats (services/scheduler/server.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from prometheus_client import CollectorRegistry, Histogram
 
-from services.common.metrics import ITERATION_TOKEN_BUCKETS, MODEL_LABEL, PREFIX, EngineStatsCollector
-from services.rpc import scheduler_pb2
+from services.common.metrics import ITERATION_TOKEN_BUCKETS, MODEL_LABEL, PREFIX
 
 
 class StepMetrics:
@@ -25,12 +23,3 @@ class StepMetrics:
     def observe(self, num_tokens: int) -> None:
         if num_tokens:
             self.iteration_tokens.observe(num_tokens)
-
-
-def scheduler_registry(
-    stats: Callable[[], scheduler_pb2.StatsResponse | None], model_name: Callable[[], str]
-) -> CollectorRegistry:
-    """A registry with the engine's gauges and counters, read from the scheduler's own Stats at scrape time."""
-    registry = CollectorRegistry()
-    registry.register(EngineStatsCollector(stats, model_name))
-    return registry

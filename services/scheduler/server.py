@@ -21,7 +21,7 @@ from engine_core.request import Request
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
-from services.common.metrics import serve_metrics
+from services.common.metrics import EngineStatsCollector, serve_metrics
 from services.common.signals import ignore_late_signals, shutdown_event
 from services.common.telemetry import Telemetry, setup_tracing
 from services.common.timeutil import now_ns
@@ -31,7 +31,6 @@ from services.convert.params import params_from_proto
 from services.rpc import SCHEDULER_SERVICE, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerConfig, parse_scheduler_args
 from services.scheduler.engine_loop import EngineLoop, RequestEvent
-from services.scheduler.metrics import scheduler_registry
 from services.scheduler.tracing import record_request
 
 log = structlog.get_logger(__name__)
@@ -202,6 +201,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.StatsResponse:
         return self.stats_response()
 
+    def metrics_snapshot(self) -> scheduler_pb2.StatsResponse | None:
+        """What /metrics exports (from the metrics server's thread): nothing until the engine is ready."""
+        return self.stats_response() if self.engine.stats.ready else None
+
+    def model_name(self) -> str:
+        info = self.engine.info
+        return info.model if info is not None else ""
+
     def stats_response(self) -> scheduler_pb2.StatsResponse:
         """The Stats RPC's answer; also what the scheduler's /metrics reads (from the metrics server's thread)."""
         s = self.engine.stats
@@ -265,18 +272,9 @@ async def serve(config: SchedulerConfig, telemetry: Telemetry | None = None) -> 
     )
     health = ServiceHealth(server, [SCHEDULER_SERVICE])
     await health.set_serving(False)
-    servicer: SchedulerServicer | None = None
-
-    def snapshot() -> scheduler_pb2.StatsResponse | None:
-        ready = servicer is not None and servicer.engine.stats.ready
-        return servicer.stats_response() if ready and servicer is not None else None
-
-    def model() -> str:
-        info = servicer.engine.info if servicer is not None else None
-        return info.model if info is not None else ""
-
-    registry = scheduler_registry(snapshot, model)
+    registry = CollectorRegistry()
     servicer = SchedulerServicer(config, health, telemetry, registry)
+    registry.register(EngineStatsCollector(servicer.metrics_snapshot, servicer.model_name))
     serve_metrics(config.host, config.metrics_port, registry)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
