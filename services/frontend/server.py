@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from prometheus_client import CollectorRegistry
 
-from engine_core.model_loader import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
+from engine_core.model_files import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import HEALTH_SERVICE, SERVING, ServiceHealth
 from services.common.logs import configure_logging

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -16,7 +15,6 @@ import structlog
 from opentelemetry.trace import Span
 
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
-from engine_core.request import Request
 from services.common.grpc_opts import CHANNEL_OPTIONS
 from services.common.health import wait_serving
 from services.common.trace import TraceContext
@@ -53,7 +51,6 @@ class RemoteExecutor:
         self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self.epoch = ""
         self.step = 0
-        self.request_of: Callable[[int], Request | None] = lambda _seq_id: None
         self.last_worker_s = 0.0  # the worker's own time on the last step (the rest is transport)
         self.step_tracer: StepTracer | None = None  # detailed traces only
         self.step_metrics: StepMetrics | None = None
@@ -103,7 +100,7 @@ class RemoteExecutor:
                 span.end()
 
     def _execute(self, plan: SchedulerOutput, span: Span | None) -> ModelRunnerOutput:
-        req = plan_to_proto(plan, epoch=self.epoch, step=self.step, request_of=self.request_of)
+        req = plan_to_proto(plan, epoch=self.epoch, step=self.step)
         self.step += 1
         req.return_samples = True
         if span is not None:

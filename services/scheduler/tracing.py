@@ -76,6 +76,11 @@ def record_request(tracer: trace.Tracer, span: Span, request: Request) -> None:
 Identify = Callable[[NewSequenceData], tuple[str, TraceContext]]
 
 
+def identify(new: NewSequenceData) -> tuple[str, TraceContext]:
+    """From the plan itself (the scheduler copies each request's context into its new sequences)."""
+    return new.request_id, TraceContext.parse(new.trace_context, new.trace_state)
+
+
 class StepTracer:
     """Opens the span of one engine step (engine thread only) and hands its context to the Execute message.
 
@@ -84,7 +89,7 @@ class StepTracer:
     """
 
     def __init__(
-        self, tracer: trace.Tracer, identify: Identify, max_per_second: float = MAX_STEP_SPANS_PER_SECOND
+        self, tracer: trace.Tracer, identify: Identify = identify, max_per_second: float = MAX_STEP_SPANS_PER_SECOND
     ) -> None:
         self.tracer = tracer
         self.identify = identify

@@ -13,9 +13,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from engine_core.outputs import CompletionOutput, RequestOutput
-from engine_core.plan import NewSequenceData
 from engine_core.request import Request
+from engine_core.request_output import CompletionOutput, RequestOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.step_timings import StepTimings
 from services.common.telemetry import (
@@ -28,7 +27,7 @@ from services.common.telemetry import (
 from services.common.trace import TraceContext, span_context_of
 from services.frontend.tracing import RequestSpan, operation_name, request_attributes
 from services.rpc import worker_pb2
-from services.scheduler.tracing import Identify, StepTracer, record_request
+from services.scheduler.tracing import StepTracer, record_request
 from services.worker.tracing import record_execute
 from tests.services.otlp_receiver import OtlpReceiver
 from tests.test_scheduler import Harness, make_request, make_scheduler
@@ -191,14 +190,6 @@ def _traced_request(
     return req, span
 
 
-def _identify(h: Harness) -> Identify:
-    def identify(new: NewSequenceData) -> tuple[str, TraceContext]:
-        request = h.sched.seqs[new.seq_id].request
-        return request.request_id, TraceContext.from_dict(request.trace_context)
-
-    return identify
-
-
 def test_step_span_links_requests_and_parents_on_the_first(memory: tuple[trace.Tracer, InMemorySpanExporter]) -> None:
     tracer, exporter = memory
     h = Harness(make_scheduler())
@@ -207,7 +198,7 @@ def test_step_span_links_requests_and_parents_on_the_first(memory: tuple[trace.T
     c, _ = _traced_request(tracer, "c", sampled=False)
     for r in (a, b, c):
         h.add(r)
-    steps = StepTracer(tracer, _identify(h), max_per_second=1000)
+    steps = StepTracer(tracer, max_per_second=1000)
     span = steps.start(h.step(), 0)
     assert span is not None
     span.end()
@@ -232,7 +223,7 @@ def test_step_spans_only_for_sampled_requests_and_rate_capped(
     tracer, _ = memory
     h = Harness(make_scheduler())
     h.add(_traced_request(tracer, "u", sampled=False)[0])
-    steps = StepTracer(tracer, _identify(h), max_per_second=2)
+    steps = StepTracer(tracer, max_per_second=2)
     assert steps.start(h.step(), 0) is None
     h.add(_traced_request(tracer, "s", max_tokens=20)[0])
     started = [steps.start(h.step(), i) for i in range(1, 6)]
