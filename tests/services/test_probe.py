@@ -22,7 +22,8 @@ SERVER_NAME = "pagoda-scheduler.ns.svc.cluster.local"
 
 
 def _pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    fmt = serialization.PrivateFormat.PKCS8
+    return key.private_bytes(serialization.Encoding.PEM, fmt, serialization.NoEncryption())
 
 
 def _cert(subject: str, key, issuer: str, issuer_key, *, ca: bool, san: str | None = None) -> x509.Certificate:
