@@ -29,7 +29,7 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
     return grpc.secure_channel(args.addr, creds, options=options)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_probe_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m services.common.probe", description=__doc__)
     p.add_argument("--addr", required=True, help="HOST:PORT of the gRPC server")
     p.add_argument("--service", default="", help="health service name (empty: the server overall)")
@@ -38,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-cert-file", default=None, help="client certificate (mTLS)")
     p.add_argument("--tls-key-file", default=None, help="client key (mTLS)")
     p.add_argument("--tls-server-name", default=None, help="name to verify in the server certificate")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_probe_args(argv)
     with _channel(args) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
