@@ -23,8 +23,10 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end -}}
 
+{{/* By digest when one is given (immutable, what production should use), else by tag. */}}
 {{- define "pagoda.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- if .Values.image.digest -}}{{ .Values.image.repository }}@{{ .Values.image.digest }}
+{{- else -}}{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}{{- end -}}
 {{- end -}}
 
 {{- define "pagoda.serviceAccountName" -}}
