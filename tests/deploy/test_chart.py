@@ -280,3 +280,8 @@ def test_pending_flags_are_still_missing() -> None:
         assert not landed, (
             f"{component} now has {sorted(landed)}: delete them from PENDING in tests/deploy/pagoda_args.py"
         )
+
+
+def test_two_autoscalers_on_the_frontends_are_refused() -> None:
+    out = helm_template("--set", "keda.enabled=true", "--set", "frontend.autoscaling.enabled=true")
+    assert out.returncode != 0 and "enable one" in out.stderr, out.stderr
