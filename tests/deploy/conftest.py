@@ -49,6 +49,7 @@ class Rendered:
     profile: str
     objects: list[dict[str, Any]]
     notes: str = ""
+    text: str = ""  # the YAML stream as helm wrote it
     by_kind: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -81,7 +82,7 @@ def render() -> Any:
             # NOTE: `helm template` never renders NOTES.txt; a client-side dry-run install does (no cluster needed).
             dry = helm("install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client", *profile_args(profile))
             assert dry.returncode == 0, dry.stderr
-            _cache[profile] = Rendered(profile, objects, dry.stdout.partition("NOTES:")[2])
+            _cache[profile] = Rendered(profile, objects, dry.stdout.partition("NOTES:")[2], out.stdout)
         return _cache[profile]
 
     return get

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.deploy.conftest import PROFILES, ROOT, helm_template, profile_args
+from tests.deploy.conftest import PROFILES, ROOT
 
 # Each one is explained in docs/deploy.md ("checkov findings").
 JUSTIFIED = {
@@ -32,11 +32,9 @@ def _failed(reports: list[dict[str, Any]]) -> set[tuple[str, str]]:
     return {(f["check_id"], f["resource"]) for r in reports for f in r["results"]["failed_checks"]}
 
 
-def test_checkov_finds_nothing_unjustified(tmp_path: Path) -> None:
+def test_checkov_finds_nothing_unjustified(render: Any, tmp_path: Path) -> None:
     for profile in PROFILES:
-        out = helm_template(*profile_args(profile))
-        assert out.returncode == 0, out.stderr
-        (tmp_path / f"{profile}.yaml").write_text(out.stdout)
+        (tmp_path / f"{profile}.yaml").write_text(render(profile).text)
     reports = _checkov("-d", str(tmp_path), "--framework", "kubernetes")
     reports += _checkov("-f", str(ROOT / "deploy" / "Dockerfile"), "--framework", "dockerfile")
     assert sum(r["summary"]["passed"] for r in reports) > 100  # it did scan
