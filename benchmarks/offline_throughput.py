@@ -71,20 +71,18 @@ def pagoda_batch1(llm: object, args: argparse.Namespace) -> float:
     return (time.perf_counter() - t0) / steps * 1000
 
 
-def run_hf(wl: Workload, args: argparse.Namespace, model_dir: str) -> Result:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_static_generate(model: object, prompts: list[list[int]], output_lens: list[int], batch: int) -> int:
+    """transformers `generate` in static batches (left-padded; each batch runs to its longest output, only the
+    requested tokens are counted); returns the number of requested output tokens."""
     pad = 0
-    t0 = time.perf_counter()
-    for start in range(0, len(wl.prompts), args.hf_batch):
-        batch = wl.prompts[start : start + args.hf_batch]
-        new = max(wl.output_lens[start : start + args.hf_batch])
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        new = max(output_lens[start : start + batch])
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         with torch.no_grad():
-            model.generate(
+            model.generate(  # type: ignore[attr-defined]
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=new,
@@ -92,6 +90,16 @@ def run_hf(wl: Workload, args: argparse.Namespace, model_dir: str) -> Result:
                 do_sample=False,
                 pad_token_id=pad,
             )
+    return sum(output_lens)
+
+
+def run_hf(wl: Workload, args: argparse.Namespace, model_dir: str) -> Result:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad = 0
+    t0 = time.perf_counter()
+    hf_static_generate(model, wl.prompts, wl.output_lens, args.hf_batch)
     dt = time.perf_counter() - t0
     res = Result("transformers", dt, wl.total_tokens / dt, wl.output_tokens / dt)
     prompt = torch.tensor([batch1_prompt(args.batch1_prompt)])
