@@ -15,14 +15,24 @@ from typing import IO
 import psutil
 
 
+def _label(p: psutil.Process) -> str:
+    """A process's role: the module of `python -m MODULE`, else its name (vLLM titles its engine core)."""
+    cmd = p.cmdline()
+    if "-m" in cmd and cmd.index("-m") + 1 < len(cmd):
+        return cmd[cmd.index("-m") + 1]
+    return p.name()
+
+
 class PeakRss:
-    """Samples the resident memory of a process and all its descendants (summed: what `top` shows a user) until
-    stopped; `peak_gb` is the largest sum seen."""
+    """Samples a process and all its descendants until stopped: `peak_gb` is the largest sum of resident memory
+    seen (what `top` shows a user), `cpu_s` the CPU seconds (user + system) of each process, by role, as last seen
+    (a per-process count of work, meaningful even on a shared machine)."""
 
     def __init__(self, pid: int, interval: float = 0.2) -> None:
         self.pid = pid
         self.interval = interval
         self.peak_bytes = 0
+        self._cpu: dict[int, tuple[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -35,14 +45,26 @@ class PeakRss:
         while not self._stop.wait(self.interval):
             total = 0
             try:
-                for p in [root, *root.children(recursive=True)]:
-                    try:
-                        total += p.memory_info().rss
-                    except psutil.NoSuchProcess:
-                        continue
+                procs = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
+            for p in procs:
+                try:
+                    with p.oneshot():
+                        total += p.memory_info().rss
+                        t = p.cpu_times()
+                        label = self._cpu[p.pid][0] if p.pid in self._cpu else _label(p)
+                        self._cpu[p.pid] = (label, t.user + t.system)
+                except psutil.Error:
+                    continue
             self.peak_bytes = max(self.peak_bytes, total)
+
+    @property
+    def cpu_s(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for label, seconds in self._cpu.values():
+            out[label] = out.get(label, 0.0) + seconds
+        return out
 
     def stop(self) -> float:
         self._stop.set()

