@@ -14,15 +14,18 @@ import numpy as np
 import structlog
 import torch
 
-from engine_core.attention.backend import AttentionMetadata, create_backend
+from engine_core.attention.backend import AttentionMetadata
+from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
 from engine_core.input_batch import InputBatch, StepInputs
 from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config
 from engine_core.models.cpu_linear import can_pack
 from engine_core.models.llama import model_class
+from engine_core.models.native_decode import NativeDecodeStep
 from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from engine_core.sampler import Sampler, compute_logprobs
 from engine_core.sampling_batch import SamplingBatch
+from engine_core.step_functions import StepFunction, pick_step_function
 from kernels import cpu as cpu_kernels
 
 log = structlog.get_logger(__name__)
@@ -84,10 +87,15 @@ class ModelRunner:
             model = cls(hf, backend, self.max_model_len)
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(dtype=self.dtype).eval()
+        # The step functions (step_functions.py): the model's forward serves every step; `decode_step`, where set,
+        # serves decode-only steps. NOTE: this is the seam where a CUDA-graph replay of decode steps plugs in.
+        self.decode_step: StepFunction | None = None
         if can_pack(self.device, self.dtype):
             self.model.use_cpu_gemms()
             if cpu_kernels.available():
                 self.model.use_native_ops()
+                if backend.name == "cpu":  # the native step writes K/V in the cpu backend's way
+                    self.decode_step = NativeDecodeStep(self.model)
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
         log.info("model loaded", architecture=arch, dtype=config.dtype, seconds=round(time.perf_counter() - t0, 2))
         elt = torch.tensor([], dtype=self.dtype).element_size()
@@ -145,7 +153,8 @@ class ModelRunner:
         inputs = self.batch.prepare(seq_ids, list(plan.num_scheduled_tokens.values()))
         meta = self._attention_metadata(inputs)
         self.backend.prepare(meta)
-        hidden = self.model(
+        step = pick_step_function(self.model, self.decode_step, meta)
+        hidden = step(
             torch.from_numpy(inputs.input_ids).to(self.device),
             torch.from_numpy(inputs.positions).to(self.device),
             self.kv_caches,
@@ -170,11 +179,19 @@ class ModelRunner:
         out.logprobs = sampled.logprobs
         return out
 
+    def reset(self) -> None:
+        """Forgets every sequence of the persistent batch (a new scheduler, i.e. cache epoch, restarts seq ids)."""
+        for seq_id in list(self.batch.row_of):
+            self._forget(seq_id)
+
+    def _forget(self, seq_id: int) -> None:
+        self.batch.remove(seq_id)
+        self.sampling.remove(seq_id)
+        self._prompt_logprob_seqs.discard(seq_id)
+
     def _apply_deltas(self, plan: SchedulerOutput) -> None:
         for seq_id in plan.finished_seq_ids:
-            self.batch.remove(seq_id)
-            self.sampling.remove(seq_id)
-            self._prompt_logprob_seqs.discard(seq_id)
+            self._forget(seq_id)
         for new in plan.new_seqs:
             if new.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprob_seqs.add(new.seq_id)

@@ -14,9 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import structlog
 
-from engine_core.model_loader import model_name, resolve_model_dir
+from engine_core.model_files import model_name, resolve_model_dir
 from engine_core.model_runner import ModelRunner
-from engine_core.plan import SchedulerOutput
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
@@ -39,9 +38,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.model_dir: str | None = None
         self.epoch = ""
         self.num_blocks = 0
-        self.rank = 0
         self.next_step = 0
-        self.live: set[int] = set()  # sequences in the runner's persistent batch
         self.last_step_at = time.monotonic()
         # NOTE: one thread owns the runner: steps are strictly ordered and torch runs outside the event loop.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
@@ -87,14 +84,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _init_cache(self, request: worker_pb2.InitCacheRequest) -> None:
         runner = self.runner
         assert runner is not None
-        if self.live:
-            # NOTE: a new scheduler (epoch) restarts sequence ids: forget every sequence of the previous one.
-            runner.execute(SchedulerOutput(finished_seq_ids=sorted(self.live)))
-            self.live.clear()
+        runner.reset()  # NOTE: a new scheduler (epoch) restarts sequence ids: forget every sequence of the last one
         if request.num_blocks != self.num_blocks:
             runner.init_kv_cache(request.num_blocks)
             self.num_blocks = request.num_blocks
-        self.rank = request.rank
         self.epoch = request.epoch
         self.next_step = 0
 
@@ -127,8 +120,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception:
             self.epoch = ""  # NOTE: the persistent batch may be half-updated: refuse steps until re-initialized
             raise
-        self.live.difference_update(plan.finished_seq_ids)
-        self.live.update(s.seq_id for s in plan.new_seqs)
         resp = result_to_proto(out) if request.return_samples else worker_pb2.ExecuteResponse()
         resp.execute_s = time.perf_counter() - t0
         return resp
