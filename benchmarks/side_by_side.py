@@ -22,6 +22,7 @@ import glob
 import json
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -39,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "side_by_side.jsonl"
 MODEL_NAME = "SmolLM2-135M-Instruct"
+ENV_TOKEN = re.compile(r"^[A-Z_][A-Z0-9_]*=")  # in --pagoda-serve-args: environment of `pagoda serve`, not a flag
 
 
 @dataclass
@@ -140,7 +142,7 @@ def server_cmd(
     cmd = [python, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc)]
     cmd += ["--http-port", str(http), "--scheduler-port", str(free_port()), "--worker-port", str(free_port())]
     cmd += ["--kv-cache-memory", f"{args.kv_cache_gib:g}", "--log-dir", str(logs / f"pagoda-serve-{time.time():.0f}")]
-    cmd += extra
+    cmd += [a for a in extra if not ENV_TOKEN.match(a)]
     return cmd, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"
 
 
@@ -159,6 +161,7 @@ async def serve_bench(
 ) -> ServingRow:
     cmd, url, grpc_addr = server_cmd(engine, extra, args, logs)
     _, env = engine_env(engine, args)
+    env.update(a.split("=", 1) for a in extra if ENV_TOKEN.match(a))  # NAME=value tokens of a variant
     child = Child(f"serve-{engine}-{rnd}", cmd, env, str(REPO if engine != "vllm" else logs), logs)
     backend = OpenAIBackend(engine, url, MODEL_NAME)
     try:
@@ -280,7 +283,8 @@ def main() -> None:
         "--pagoda-serve-args",
         action="append",
         default=None,
-        help="extra `pagoda serve` flags; repeat for A/B variants run back to back (default: none, its defaults)",
+        help="extra `pagoda serve` flags and NAME=value environment; repeat for A/B variants run back to back "
+        "(default: none, its defaults)",
     )
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per child run / server start")
     ap.add_argument("--note", default="", help="free text stored with the results (e.g. 'machine shared')")
@@ -289,7 +293,7 @@ def main() -> None:
     args.pagoda_serve_args = args.pagoda_serve_args or [""]
 
     from engine_core.config import EngineConfig
-    from engine_core.model_loader import resolve_model_dir
+    from engine_core.model_files import resolve_model_dir
 
     # NOTE: Pagoda's converted HF directory is the one model both engines load (vLLM cannot read the GGUF's Q4_1).
     args.model_dir = str(resolve_model_dir(args.model, EngineConfig().cache_dir))

@@ -4,6 +4,11 @@ The scheduler and the frontend do Python bookkeeping, tokenization and streaming
 parallelism. Left at torch's defaults they would each own an OpenMP team as large as the machine, whose idle threads
 spin (GNU OpenMP spins ~300,000 iterations, measured ~6 ms of CPU, after every parallel region) on the cores the
 worker computes on. So both run with one intra-op thread and a passive OpenMP wait policy.
+
+The worker keeps a team as large as its cores but waits passively too: it shares those cores with the scheduler and
+the frontend (and, in a pod, a CPU quota), and a spinning thread at a barrier burns the time slice that its
+descheduled partner needs. Measured on 2 cores while other processes competed (docs/benchmarks.md): batch-1 decode
+through `LLM.generate` with 2 threads took 650-1540 ms/token spinning, 54-59 passive (1 thread: 82-138).
 """
 
 from __future__ import annotations
@@ -13,6 +18,11 @@ import sys
 
 # NOTE: read by libgomp / MKL when torch is first imported, hence set before any service module is imported.
 CONTROL_PROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+# NOTE: applied only when the user set neither variable (GOMP_SPINCOUNT=300000 restores libgomp's default spinning).
+WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def usable_cores() -> int:
@@ -41,3 +51,9 @@ def limit_control_process_threads() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:  # already imported (the env came too late for it): cap the team directly
         torch.set_num_threads(1)
+
+
+def configure_worker_threads() -> None:
+    """For worker processes, before torch loads: passive OpenMP waiting unless the user chose a wait policy."""
+    if not any(v in os.environ for v in _WAIT_VARS):
+        os.environ.update(WORKER_ENV)
