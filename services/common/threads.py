@@ -8,7 +8,7 @@ worker computes on. So both run with one intra-op thread and a passive OpenMP wa
 The worker keeps a team as large as its cores but waits passively too: it shares those cores with the scheduler and
 the frontend (and, in a pod, a CPU quota), and a spinning thread at a barrier burns the time slice that its
 descheduled partner needs. Measured on 2 cores while other processes competed (docs/benchmarks.md): batch-1 decode
-through `LLM.generate` with 2 threads took 650-1540 ms/token spinning, 54-59 passive (1 thread: 82-138).
+through `LLM.generate` with 2 threads took 647-1538 ms/token spinning, 54-81 passive (1 thread: 82-138).
 """
 
 from __future__ import annotations
