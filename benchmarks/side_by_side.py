@@ -153,7 +153,8 @@ async def batch1(backend: Backend, repeats: int) -> tuple[float, float]:
 
 
 def per_1k(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
-    return {k: round((v - before.get(k, 0.0)) / tokens * 1000, 3) for k, v in sorted(after.items())}
+    used = {k: (v - before.get(k, 0.0)) / tokens * 1000 for k, v in sorted(after.items())}
+    return {k: round(v, 3) for k, v in used.items() if v >= 0.001}  # NOTE: drops exited helpers (compilers, shells)
 
 
 async def serve_bench(
