@@ -73,13 +73,29 @@ class LocalCluster:
     def scheduler_addr(self) -> str:
         return f"127.0.0.1:{self.config.scheduler_port}"
 
-    def _spawn(self, name: str, module: str, args: list[str], addr: str, health_service: str) -> Service:
+    def spawn(
+        self, name: str, module: str, args: list[str], addr: str, health_service: str, env: dict[str, str]
+    ) -> Service:
+        """One more process (`python -m module *args`, environment updated with `env`), waited on and stopped with
+        the others; e.g. a service with the exact arguments a Kubernetes manifest gives it."""
+        return self._spawn(name, module, args, addr, health_service, env)
+
+    def _spawn(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        addr: str,
+        health_service: str,
+        extra_env: dict[str, str] | None = None,
+    ) -> Service:
         log: IO[bytes] | None = None
         if self.config.log_dir is not None:
             Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
             log = open(Path(self.config.log_dir) / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(extra_env or {})
         proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=log, env=env)
         service = Service(name, addr, health_service, proc, log)
         self.services.append(service)
