@@ -24,6 +24,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
@@ -103,7 +104,10 @@ def run_offline(engine: str, rnd: int, args: argparse.Namespace, logs: Path) -> 
     cmd += ["--threads", str(args.threads), "--kv-cache-gib", f"{args.kv_cache_gib:g}"]
     cmd += ["--batch1-repeats", str(args.batch1_repeats)]
     child = Child(f"offline-{engine}-{rnd}", cmd, env, str(REPO if engine != "vllm" else logs), logs)
-    code = child.wait(args.timeout)
+    try:
+        code = child.wait(args.timeout)
+    finally:
+        child.stop(timeout=10)  # NOTE: also on a timeout or SIGTERM: no engine outlives the harness
     if code != 0:
         raise RuntimeError(f"{engine} offline run failed ({code}):\n{child.tail()}")
     rec = json.loads(out.read_text())
@@ -291,6 +295,8 @@ def main() -> None:
     ap.add_argument("--note", default="", help="free text stored with the results (e.g. 'machine shared')")
     ap.add_argument("--no-save", action="store_true", help="smoke runs: print only, append nothing to results/")
     args = ap.parse_args()
+    # NOTE: SIGTERM (e.g. `timeout`) unwinds like Ctrl-C, so every child server is stopped by its `finally`.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.pagoda_serve_args = args.pagoda_serve_args or [""]
 
     from engine_core.config import EngineConfig
