@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import IO
 
 from services.common.health import NOT_SERVING, SERVING, check
+from services.common.tls import TlsFiles
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 
 
@@ -42,6 +43,18 @@ class LaunchConfig:
     extra_scheduler_args: list[str] = field(default_factory=list)
     extra_frontend_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # None: children log to this process's stderr
+    tls: TlsFiles = field(default_factory=TlsFiles)  # the same files for every service (one test CA)
+
+    def tls_args(self) -> list[str]:
+        out: list[str] = []
+        for flag, path in (
+            ("--tls-cert-file", self.tls.cert_file),
+            ("--tls-key-file", self.tls.key_file),
+            ("--tls-ca-file", self.tls.ca_file),
+        ):
+            if path is not None:
+                out += [flag, path]
+        return out
 
 
 @dataclass
@@ -51,6 +64,8 @@ class Service:
     health_service: str
     process: subprocess.Popen[bytes]
     log: IO[bytes] | None
+    argv: list[str] = field(default_factory=list)
+    restarts: int = 0
     # Every distinct health status seen while waiting (None = unreachable), in order.
     observed: list[int | None] = field(default_factory=list)
 
@@ -73,15 +88,29 @@ class LocalCluster:
         return f"127.0.0.1:{self.config.scheduler_port}"
 
     def _spawn(self, name: str, module: str, args: list[str], addr: str, health_service: str) -> Service:
+        argv = [sys.executable, "-m", module, *args, *self.config.tls_args()]
+        service = Service(name, addr, health_service, *self._popen(name, argv, "wb"), argv=argv)
+        self.services.append(service)
+        return service
+
+    def _popen(self, name: str, argv: list[str], mode: str) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
         log: IO[bytes] | None = None
         if self.config.log_dir is not None:
             Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
-            log = open(Path(self.config.log_dir) / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
+            log = open(Path(self.config.log_dir) / f"{name}.log", mode)  # noqa: SIM115 - lives as long as the child
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=log, env=env)
-        service = Service(name, addr, health_service, proc, log)
-        self.services.append(service)
+        return subprocess.Popen(argv, stdout=log, stderr=log, env=env), log
+
+    def restart(self, name: str) -> Service:
+        """Starts a service that exited again, with the same arguments (what Kubernetes does for a dead pod)."""
+        service = self.service(name)
+        if service.process.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        if service.log is not None:
+            service.log.close()
+        service.process, service.log = self._popen(name, service.argv, "ab")
+        service.restarts += 1
         return service
 
     def start(self) -> None:
@@ -115,7 +144,7 @@ class LocalCluster:
                 code = service.process.poll()
                 if code is not None:
                     raise RuntimeError(f"{service.name} exited with code {code} before becoming healthy")
-                status = check(service.addr, service.health_service, timeout=0.5)
+                status = check(service.addr, service.health_service, timeout=0.5, tls=self.config.tls)
                 if not service.observed or service.observed[-1] != status:
                     service.observed.append(status)
                 if status == SERVING:

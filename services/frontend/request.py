@@ -22,6 +22,7 @@ class ErrorCode(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     CANCELLED = "CANCELLED"
     INTERNAL = "INTERNAL"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
 
 
 class RequestError(Exception):
@@ -64,6 +65,7 @@ class GenerateInput:
     priority: int = 0
     cache_salt: str | None = None
     trace: TraceContext = field(default_factory=TraceContext)
+    tenant: str = ""  # who submitted it (services.frontend.auth): owns it for Abort, may salt the prefix cache
 
 
 @dataclass
@@ -79,6 +81,7 @@ class PreparedRequest:
     trace: TraceContext
     arrival_ns: int
     arrival_monotonic: float
+    tenant: str = ""
 
 
 @dataclass

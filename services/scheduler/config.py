@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from services.common.engine_flags import add_scheduler_engine_flags
 from services.common.flags import add_flag
+from services.common.tls import TlsFiles
 
 
 @dataclass
@@ -23,19 +24,25 @@ class SchedulerConfig:
     worker_timeout: float  # seconds to wait for the workers at start (and after a worker failure)
     step_timeout: float  # seconds one Execute may take before the worker counts as failed
     drain_timeout: float
+    tls: TlsFiles
 
 
 def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
     p = argparse.ArgumentParser(prog="pagoda scheduler", description="Pagoda scheduler: continuous batching")
-    add_flag(p, "--host", default="0.0.0.0", help="address to bind")
+    add_flag(p, "--host", default="127.0.0.1", help="address to bind (internal: loopback unless told otherwise)")
     add_flag(p, "--scheduler-port", default=50052, type=int, help="gRPC port (0 picks a free one)")
     add_flag(p, "--worker-addrs", default="localhost:50053", help="comma-separated worker addresses, rank order")
     add_scheduler_engine_flags(p)
     add_flag(p, "--max-waiting-requests", default=1024, type=int, help="queued requests before RESOURCE_EXHAUSTED")
     add_flag(p, "--worker-timeout", default=600.0, type=float, help="seconds to wait for workers to be ready")
     add_flag(p, "--step-timeout", default=300.0, type=float, help="seconds one step may take")
-    add_flag(p, "--drain-timeout", default=60.0, type=float, help="seconds to finish in-flight requests on SIGTERM")
+    add_flag(p, "--drain-timeout", default=20.0, type=float, help="seconds to finish in-flight requests on SIGTERM")
+    TlsFiles.add_flags(p)
     a = p.parse_args(argv)
+    try:
+        tls = TlsFiles.from_args(a)
+    except ValueError as e:
+        p.error(str(e))
     workers = [w.strip() for w in a.worker_addrs.split(",") if w.strip()]
     if not workers:
         p.error("--worker-addrs must name at least one worker")
@@ -54,4 +61,5 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
         worker_timeout=a.worker_timeout,
         step_timeout=a.step_timeout,
         drain_timeout=a.drain_timeout,
+        tls=tls,
     )

@@ -89,7 +89,7 @@ class EngineLoop:
         self.config = config
         self.publish = publish
         self.on_ready = on_ready
-        self.executor = RemoteExecutor(config.worker_addrs, config.step_timeout)
+        self.executor = RemoteExecutor(config.worker_addrs, config.step_timeout, config.tls)
         self.info: WorkerGroupInfo | None = None
         self.core: EngineCore | None = None
         self.stats = SchedulerStats()  # NOTE: replaced whole after each iteration, so readers see one snapshot

@@ -11,13 +11,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
 import structlog
 
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.request import Request
 from services.common.grpc_opts import CHANNEL_OPTIONS
 from services.common.health import wait_serving
+from services.common.tls import TlsFiles, sync_channel
 from services.convert.plan import plan_to_proto, result_from_proto
 from services.rpc import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 
@@ -42,10 +42,11 @@ class WorkerMismatchError(RuntimeError):
 
 
 class RemoteExecutor:
-    def __init__(self, addrs: list[str], step_timeout: float) -> None:
+    def __init__(self, addrs: list[str], step_timeout: float, tls: TlsFiles | None = None) -> None:
         self.addrs = addrs
         self.step_timeout = step_timeout
-        self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addrs]
+        self.tls = tls or TlsFiles()
+        self._channels = [sync_channel(a, self.tls, CHANNEL_OPTIONS) for a in addrs]
         self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self.epoch = ""
         self.step = 0
@@ -56,7 +57,7 @@ class RemoteExecutor:
         """Waits for every rank to be SERVING and checks that they run the same model the same way."""
         deadline = time.monotonic() + timeout
         for addr in self.addrs:
-            wait_serving(addr, WORKER_SERVICE, timeout=max(1.0, deadline - time.monotonic()))
+            wait_serving(addr, WORKER_SERVICE, timeout=max(1.0, deadline - time.monotonic()), tls=self.tls)
         profiles = [stub.Profile(worker_pb2.ProfileRequest(), timeout=60.0) for stub in self._stubs]
         first = profiles[0]
         for addr, prof in zip(self.addrs, profiles, strict=True):

@@ -20,9 +20,11 @@ from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
 from services.common.signals import ignore_late_signals, shutdown_event
 from services.common.timeutil import now_ns
+from services.common.tls import add_port
 from services.common.trace import TraceContext
 from services.convert.outputs import seq_output_to_proto
 from services.convert.params import params_from_proto
+from services.convert.ranges import check_wire_ranges
 from services.rpc import SCHEDULER_SERVICE, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerConfig, parse_scheduler_args
 from services.scheduler.engine_loop import EngineLoop, RequestEvent
@@ -33,10 +35,11 @@ log = structlog.get_logger(__name__)
 class _Stream:
     """One Submit call: its outbox and the timestamps the frontend sent."""
 
-    def __init__(self, timestamps: common_pb2.RequestTimestamps, trace: common_pb2.TraceContext) -> None:
+    def __init__(self, timestamps: common_pb2.RequestTimestamps, trace: common_pb2.TraceContext, owner: str) -> None:
         self.queue: asyncio.Queue[scheduler_pb2.SubmitResponse] = asyncio.Queue()
         self.timestamps = timestamps
         self.trace = trace
+        self.owner = owner  # the tenant that submitted it: only it may abort it
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -112,6 +115,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             params = params_from_proto(request.sampling, internal=True)
             params.validate_vocab(info.vocab_size)
+            check_wire_ranges(params)  # NOTE: seed + n - 1 must fit the step message's int64
             check_token_ids(request.prompt_token_ids, info.vocab_size)
             # NOTE: the engine's own admission limits (read-only, so safe from this thread), checked here so a bad
             # request fails its RPC instead of failing later on the engine thread.
@@ -135,10 +139,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         ts = common_pb2.RequestTimestamps()
         ts.CopyFrom(request.timestamps)
         ts.queued_ns = now_ns()
-        stream = self.streams[rid] = _Stream(ts, request.trace)
+        stream = self.streams[rid] = _Stream(ts, request.trace, request.owner)
         self.engine.add(engine_request)
         finished = False
         try:
+            # NOTE: an empty first message says "admitted": the frontend can answer HTTP 200 (or fail with 429/503
+            # before any byte of the stream) without waiting for the first token.
+            yield scheduler_pb2.SubmitResponse(trace=request.trace, timestamps=ts)
             while not finished:
                 msg = await stream.queue.get()
                 finished = msg.finished
@@ -152,7 +159,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        found = request.request_id in self.streams
+        stream = self.streams.get(request.request_id)
+        # NOTE: another tenant's request answers found=False, exactly like an unknown id (nothing is revealed).
+        found = stream is not None and stream.owner == request.owner
         if found:
             self.engine.abort(request.request_id)
         return common_pb2.AbortResponse(found=found)
@@ -226,7 +235,7 @@ async def serve(config: SchedulerConfig) -> int:
     await health.set_serving(False)
     servicer = SchedulerServicer(config, health)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
     await server.start()
     log.info("scheduler listening", addr=f"{config.host}:{port}", workers=config.worker_addrs)
     servicer.engine.start()

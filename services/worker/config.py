@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from engine_core.config import EngineConfig
 from services.common.engine_flags import add_model_flags, add_worker_engine_flags
 from services.common.flags import add_flag, optional_int
+from services.common.tls import TlsFiles
 
 
 @dataclass
@@ -17,20 +18,24 @@ class WorkerConfig:
     engine: EngineConfig
     drain_timeout: float  # seconds to keep serving steps after SIGTERM
     drain_idle: float  # after SIGTERM, exit once no step arrived for this long
+    tls: TlsFiles
 
 
 def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     p = argparse.ArgumentParser(prog="pagoda worker", description="Pagoda worker: runs the model on the KV cache")
-    add_flag(p, "--host", default="0.0.0.0", help="address to bind")
+    add_flag(p, "--host", default="127.0.0.1", help="address to bind (internal: loopback unless told otherwise)")
     add_flag(p, "--worker-port", default=50053, type=int, help="gRPC port (0 picks a free one)")
     add_model_flags(p)
     add_worker_engine_flags(p)
     add_flag(p, "--max-num-seqs", default=128, type=int, help="rows of the persistent batch")
     add_flag(p, "--num-kv-blocks", default=None, type=optional_int, help="fixed block count (skips profiling)")
-    add_flag(p, "--drain-timeout", default=30.0, type=float, help="seconds to drain after SIGTERM")
+    # NOTE: longer than the scheduler's 20 s, so the worker serves the steps of the scheduler's whole drain.
+    add_flag(p, "--drain-timeout", default=25.0, type=float, help="seconds to drain after SIGTERM")
     add_flag(p, "--drain-idle", default=1.0, type=float, help="idle seconds that end a drain")
+    TlsFiles.add_flags(p)
     a = p.parse_args(argv)
     try:
+        tls = TlsFiles.from_args(a)
         engine = EngineConfig(
             model=a.model,
             tokenizer=a.tokenizer,
@@ -48,4 +53,4 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
         )
     except ValueError as e:
         p.error(str(e))
-    return WorkerConfig(a.host, a.worker_port, engine, a.drain_timeout, a.drain_idle)
+    return WorkerConfig(a.host, a.worker_port, engine, a.drain_timeout, a.drain_idle, tls)

@@ -21,6 +21,7 @@ from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
 from services.common.signals import ignore_late_signals, shutdown_event
+from services.common.tls import add_port
 from services.convert.plan import plan_from_proto, result_to_proto
 from services.rpc import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from services.worker.config import WorkerConfig, parse_worker_args
@@ -140,7 +141,7 @@ async def serve(config: WorkerConfig) -> None:
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = ServiceHealth(server, [WORKER_SERVICE])
     await health.set_serving(False)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
     await server.start()
     log.info("worker listening", addr=f"{config.host}:{port}")
     stop = shutdown_event()
