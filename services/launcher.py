@@ -118,13 +118,14 @@ class LocalCluster:
         model = ["--model", c.model] if c.model else []
         threads = ["--num-threads", str(c.num_threads)] if c.num_threads else []
         for rank, port in enumerate(c.worker_ports):
-            args = ["--host", "127.0.0.1", "--worker-port", str(port), *model, "--dtype", c.dtype]
+            # NOTE: no --host: internal services bind to their default, loopback (the security tests check it).
+            args = ["--worker-port", str(port), *model, "--dtype", c.dtype]
             args += ["--kv-cache-memory", str(c.kv_cache_memory), "--max-num-seqs", str(c.max_num_seqs), *threads]
             self._spawn(
                 f"worker{rank}", "services.worker", args + c.extra_worker_args, f"127.0.0.1:{port}", WORKER_SERVICE
             )
         workers = ",".join(f"127.0.0.1:{p}" for p in c.worker_ports)
-        args = ["--host", "127.0.0.1", "--scheduler-port", str(c.scheduler_port), "--worker-addrs", workers]
+        args = ["--scheduler-port", str(c.scheduler_port), "--worker-addrs", workers]
         args += ["--max-num-seqs", str(c.max_num_seqs)]
         self._spawn(
             "scheduler", "services.scheduler", args + c.extra_scheduler_args, self.scheduler_addr, SCHEDULER_SERVICE
