@@ -8,10 +8,6 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class BodySizeLimit:
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -25,30 +21,36 @@ class BodySizeLimit:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
                 await self._reject(send)
                 return
-        # NOTE: chunked bodies have no Content-Length: count what arrives and stop at the limit.
+        # NOTE: chunked bodies have no Content-Length: count what arrives; past the limit answer 413 here and tell
+        # the app the client left (FastAPI would turn an exception while reading into its own 400).
         seen = 0
-        started = False
+        started = rejected = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, rejected
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise BodyTooLarge
+                    if not started and not rejected:
+                        await self._reject(send)
+                    rejected = True
+                    return {"type": "http.disconnect"}
             return message
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
+            if rejected:
+                return  # the 413 is already out
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await self._reject(send)
+        except Exception:
+            if not rejected:
+                raise
 
     async def _reject(self, send: Send) -> None:
         error: dict[str, Any] = {
