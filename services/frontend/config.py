@@ -10,7 +10,7 @@ from services.common.engine_flags import add_model_flags
 from services.common.flags import add_flag, optional_str
 from services.common.tls import TlsFiles
 from services.frontend.auth import read_keys
-from services.frontend.limits import RequestLimits
+from services.frontend.limits import ApiLimits
 
 PREFIX_CACHE_ISOLATION = ("none", "api-key")
 
@@ -27,7 +27,7 @@ class FrontendConfig:
     max_inflight: int
     scheduler_timeout: float
     drain_timeout: float
-    limits: RequestLimits
+    limits: ApiLimits
     tls: TlsFiles
     api_keys: list[str]
     enable_client_priority: bool  # off: every request gets priority 0, whatever the client sent
@@ -51,12 +51,12 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
     add_flag(p, "--prefix-cache-isolation", default="none", help="none | api-key (per-tenant prefix cache)")
     add_flag(p, "--tokenizer-threads", default=1, type=int, help="threads that tokenize off the event loop")
     TlsFiles.add_flags(p)
-    RequestLimits.add_flags(p)
+    ApiLimits.add_flags(p)
     a = p.parse_args(argv)
     if a.prefix_cache_isolation not in PREFIX_CACHE_ISOLATION:
         p.error(f"--prefix-cache-isolation must be one of {PREFIX_CACHE_ISOLATION}, got {a.prefix_cache_isolation!r}")
     try:
-        limits, tls = RequestLimits.from_args(a), TlsFiles.from_args(a)
+        limits, tls = ApiLimits.from_args(a), TlsFiles.from_args(a)
         api_keys = read_keys(a.api_keys, a.api_keys_file)
     except (ValueError, OSError) as e:
         p.error(str(e))

@@ -12,7 +12,7 @@ from services.common.trace import TraceContext
 from services.convert.outputs import reason_to_proto, stop_to_proto
 from services.convert.params import params_from_proto
 from services.frontend.auth import ApiKeys
-from services.frontend.limits import RequestLimits
+from services.frontend.limits import ApiLimits
 from services.frontend.pipeline import RequestPipeline
 from services.frontend.request import ChatMessage, ErrorCode, GenerateInput, PromptInput, RequestError, StreamEvent
 from services.rpc import common_pb2, generation_pb2, generation_pb2_grpc
@@ -118,10 +118,10 @@ def _reason_from_openai(reason: str | None, stop: int | str | None) -> int:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Serves once `pipeline` is set (the tokenizer loaded and the scheduler ready); UNAVAILABLE before."""
 
-    def __init__(self, keys: ApiKeys | None = None, limits: RequestLimits | None = None) -> None:
+    def __init__(self, keys: ApiKeys | None = None, limits: ApiLimits | None = None) -> None:
         self.pipeline: RequestPipeline | None = None
         self.keys = keys or ApiKeys([])
-        self.limits = limits or RequestLimits()
+        self.limits = limits or ApiLimits()
 
     def _ready(self, context: grpc.aio.ServicerContext) -> tuple[RequestPipeline, str]:
         """The pipeline and the caller's tenant (UNAUTHENTICATED first: no state is revealed to a stranger)."""

@@ -1,6 +1,6 @@
 """Size limits of one public request, checked before any tokenization, detokenizer set-up or scheduler message.
 
-Every limit is a field of `RequestLimits` (its default written once, here) and a frontend flag of the same name
+Every limit is a field of `ApiLimits` (its default written once, here) and a frontend flag of the same name
 (`max_stop_strings` -> `--max-stop-strings`, env `PAGODA_MAX_STOP_STRINGS`). Wire ranges (int32/int64) are checked
 here too, so an HTTP value that the Protobuf messages cannot carry is an INVALID_ARGUMENT naming the field, never a
 500 from the serializer.
@@ -33,7 +33,7 @@ _HELP = {
 
 
 @dataclass(frozen=True)
-class RequestLimits:
+class ApiLimits:
     max_n: int = 16
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
@@ -48,11 +48,11 @@ class RequestLimits:
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser) -> None:
-        for f in fields(RequestLimits):
+        for f in fields(ApiLimits):
             add_flag(parser, "--" + f.name.replace("_", "-"), default=f.default, type=int, help=_HELP[f.name])
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> RequestLimits:
+    def from_args(cls, args: argparse.Namespace) -> ApiLimits:
         limits = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
         bad = [f.name for f in fields(cls) if getattr(limits, f.name) < 1]
         if bad:

@@ -24,7 +24,7 @@ from engine_core.outputs import RequestOutput
 from services.common.timeutil import now_ns
 from services.convert.outputs import seq_output_from_proto
 from services.convert.params import params_to_proto
-from services.frontend.limits import RequestLimits
+from services.frontend.limits import ApiLimits
 from services.frontend.request import (
     ErrorCode,
     FinalInfo,
@@ -49,7 +49,7 @@ class AdmissionPolicy:
     """What the operator decides about every request (flags of the frontend)."""
 
     max_inflight: int = 4096
-    limits: RequestLimits = field(default_factory=RequestLimits)
+    limits: ApiLimits = field(default_factory=ApiLimits)
     enable_client_priority: bool = False
     prefix_cache_isolation: str = "none"  # "api-key": the tenant salts the prefix cache
     tokenizer_threads: int = 1

@@ -8,13 +8,13 @@ import pytest
 import requests
 
 from services.client import GenerationClient, text_request
-from services.frontend.limits import RequestLimits
+from services.frontend.limits import ApiLimits
 from services.launcher import LocalCluster
 from services.rpc import common_pb2, generation_pb2
 
 pytestmark = pytest.mark.slow
 
-L = RequestLimits()
+L = ApiLimits()
 
 
 def _req(**sampling: object) -> generation_pb2.GenerateRequest:
