@@ -143,7 +143,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from engine_core.config import EngineConfig
-    from engine_core.model_loader import resolve_model_dir
+    from engine_core.model_files import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model, EngineConfig().cache_dir)
     wl = make_workload(args.num_requests, args.seed, 49152, (64, 512), (32, 256))

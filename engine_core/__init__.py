@@ -1,8 +1,20 @@
 """Pagoda's transport-free engine: paged KV cache, continuous batching, prefix caching, sampling."""
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from engine_core.config import EngineConfig
-from engine_core.llm import LLM
 from engine_core.outputs import CompletionOutput, Logprob, RequestOutput
 from engine_core.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    # NOTE: `LLM` is imported on first use: importing it loads the model runner, the model and the kernels, and
+    # every engine_core module (the frontend imports some, tokenizer-level only) goes through this package.
+    if name == "LLM":
+        return importlib.import_module("engine_core.llm").LLM
+    raise AttributeError(f"module 'engine_core' has no attribute {name!r}")

@@ -1,9 +1,28 @@
-"""Engine configuration: one dataclass the LLM API, the CLI and the services all build from."""
+"""Engine configuration: one dataclass the LLM API, the CLI and the services all build from.
+
+Every engine default is written here once; the services' flags are derived from these fields
+(`services/common/engine_flags.py` reads each field's default and its `help` metadata).
+"""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
+from typing import Any
+
+CACHE_ENV = "PAGODA_CACHE"
+DEFAULT_CACHE_DIR = "~/.cache/pagoda"
+
+
+def default_cache_dir() -> str:
+    """Where converted weights and built kernels are cached: $PAGODA_CACHE, else ~/.cache/pagoda."""
+    return os.path.expanduser(os.environ.get(CACHE_ENV, DEFAULT_CACHE_DIR))
+
+
+def _opt(default: Any, help: str) -> Any:
+    """A field with its flag's help text (the flag name is the field name with dashes)."""
+    return field(default=default, metadata={"help": help})
+
 
 _DTYPES = ("float32", "bfloat16", "float16")
 _POLICIES = ("fcfs", "priority")
@@ -14,28 +33,27 @@ _BACKENDS = ("cpu", "torch", "triton")
 class EngineConfig:
     """Everything that shapes the engine. Unknown keyword arguments to `LLM(...)` are rejected by name."""
 
-    model: str | None = None  # HF directory, .gguf file, or None for the default SmolLM2-135M-Instruct
-    tokenizer: str | None = None  # defaults to the model's own
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
+    model: str | None = _opt(None, "HF directory or .gguf file (default SmolLM2-135M-Instruct)")
+    tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's)")
+    dtype: str = _opt("float32", "float32 | bfloat16 | float16")
+    device: str = _opt("cpu", "cpu | cuda | cuda:N")
+    seed: int = _opt(0, "seed of the shared sampling generator")
     # KV cache
-    block_size: int = 16
-    kv_cache_memory: float = 2.0  # GiB of KV cache on CPU
-    gpu_memory_utilization: float = 0.85  # fraction of free GPU memory given to the KV cache
-    num_kv_blocks: int | None = None  # overrides both budgets (tests use it to force preemption)
-    enable_prefix_caching: bool = True
+    block_size: int = _opt(16, "tokens per KV block")
+    kv_cache_memory: float = _opt(2.0, "GiB of KV cache on CPU")
+    gpu_memory_utilization: float = _opt(0.85, "fraction of free GPU memory given to the KV cache")
+    # NOTE: overrides both budgets (tests use it to force preemption).
+    num_kv_blocks: int | None = _opt(None, "fixed KV block count (skips profiling)")
+    enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prefixes")
     # Scheduler
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings, capped at 8192
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    scheduling_policy: str = "fcfs"
+    max_model_len: int | None = _opt(None, "context limit (default: the model's, capped at 8192)")
+    max_num_batched_tokens: int = _opt(2048, "tokens per step")
+    max_num_seqs: int = _opt(128, "sequences per step (rows of the worker's persistent batch)")
+    scheduling_policy: str = _opt("fcfs", "fcfs | priority")
     # Model execution
-    attention_backend: str | None = None  # "cpu" | "torch" | "triton"; None picks by device
-    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
-    cache_dir: str = field(
-        default_factory=lambda: os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda"))
-    )
+    attention_backend: str | None = _opt(None, "cpu | torch | triton (default: by device)")
+    num_threads: int | None = _opt(None, "torch intra-op threads on CPU (default: torch's)")
+    cache_dir: str = field(default_factory=default_cache_dir, metadata={"help": f"${CACHE_ENV}"})
 
     def __post_init__(self) -> None:
         self.validate()

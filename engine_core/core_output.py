@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine_core.plan import LogprobsTensors
-from engine_core.request import FinishReason
+from engine_core.request import FinishReason, Request
 
 
 @dataclass
@@ -36,3 +36,17 @@ def tensor_rows(tensors: LogprobsTensors, rows: list[int] | slice, k: int) -> li
     lps = tensors.logprobs[rows, : k + 1].tolist()
     ranks = tensors.ranks[rows].tolist()
     return [TokenLogprobs(i, lp, r) for i, lp, r in zip(ids, lps, ranks, strict=True)]
+
+
+def ending_outputs(request: Request, reason: FinishReason) -> list[SeqOutput]:
+    """The last output of each choice of a request ended outside a step (abort, error, refused at admission).
+
+    Choices that already finished for another reason were reported then and get none; choices never created
+    (siblings of an unforked parent) get one too, so a client sees all `n` choices end.
+    """
+    done = {s.index for s in request.seqs if s.is_finished and s.finish_reason is not reason}
+    return [
+        SeqOutput(request.request_id, index, [], finish_reason=reason)
+        for index in range(request.sampling_params.n)
+        if index not in done
+    ]

@@ -1,4 +1,9 @@
-"""EngineCore: the scheduler and an executor (the in-process model runner, or remote workers) in one loop."""
+"""EngineCore: the scheduler and an executor (the in-process model runner, or remote workers) in one loop.
+
+Its methods are the whole surface the services and the offline `LLM` use: add/abort/finish a request, `step`,
+`check_request` (thread-safe: it reads only frozen limits), `has_request`, `stats`. Nobody outside reaches into
+`core.scheduler` or the KV cache.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,12 @@ from typing import Protocol
 import structlog
 
 from engine_core.config import EngineConfig
-from engine_core.core_output import SeqOutput, tensor_rows
+from engine_core.core_output import SeqOutput, ending_outputs, tensor_rows
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.request import FinishReason, Request
+from engine_core.request_limits import RequestLimits
 from engine_core.scheduler import Scheduler
+from engine_core.stats import EngineStats
 
 log = structlog.get_logger(__name__)
 
@@ -20,7 +27,10 @@ class Executor(Protocol):
 
 
 class EngineCore:
-    """Transport-free: `add_request`, `step`, `abort`. The scheduler service wraps exactly this."""
+    """Transport-free: `add_request`, `step`, `abort`, `finish_choice`. The scheduler service wraps exactly this.
+
+    Not thread-safe, except `check_request` and `limits` (frozen at construction).
+    """
 
     def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int, num_blocks: int) -> None:
         self.config = config
@@ -32,21 +42,52 @@ class EngineCore:
             max_model_len = capacity
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(config, max_model_len, num_blocks)
+        self.limits: RequestLimits = self.scheduler.limits
+
+    def check_request(self, n_prompt: int, n: int) -> None:
+        """Raises ValueError if such a request could never run here. Safe from any thread (frozen limits only)."""
+        self.limits.check(n_prompt, n)
 
     def add_request(self, request: Request) -> None:
+        """Queues a request; raises ValueError (and keeps nothing) if it could never run or its id is in use."""
         self.scheduler.add_request(request)
 
-    def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort_request(request_id) is not None
+    def has_request(self, request_id: str) -> bool:
+        """Whether the request is still in the engine (unfinished)."""
+        return request_id in self.scheduler.requests
 
-    def finish_choice(self, request_id: str, index: int, reason: FinishReason, stop_reason: str | None) -> None:
-        """Ends one choice early (the frontend matched a stop string)."""
+    def abort(self, request_id: str) -> list[SeqOutput]:
+        """Ends every unfinished choice of a request; returns their ABORT outputs (empty if it is unknown)."""
+        request = self.scheduler.abort_request(request_id)
+        return [] if request is None else ending_outputs(request, FinishReason.ABORT)
+
+    def finish_choice(
+        self, request_id: str, index: int, reason: FinishReason, stop_reason: str | None
+    ) -> list[SeqOutput]:
+        """Ends one choice early (the frontend matched a stop string); returns its output (empty if unknown)."""
         request = self.scheduler.requests.get(request_id)
         if request is None:
-            return
+            return []
         for seq in request.seqs:
-            if seq.index == index:
+            if seq.index == index and not seq.is_finished:
                 self.scheduler.finish_seq(seq, reason, stop_reason)
+                return [SeqOutput(request_id, index, [], finish_reason=reason, stop_reason=stop_reason)]
+        return []
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        pool = sched.kv.pool
+        return EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            num_requests=len(sched.requests),
+            free_blocks=pool.num_free,
+            total_blocks=pool.num_blocks,
+            kv_usage=pool.usage,
+            prefix_cache_queries=sched.kv.stats.queries,
+            prefix_cache_hits=sched.kv.stats.hits,
+            preemptions=sched.num_preemptions,
+        )
 
     @property
     def has_unfinished(self) -> bool:

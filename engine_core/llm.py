@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,13 +12,13 @@ from transformers import PreTrainedTokenizerBase
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
-from engine_core.model_loader import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
+from engine_core.model_files import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
 from engine_core.model_runner import ModelRunner
 from engine_core.output_processor import OutputProcessor
 from engine_core.outputs import RequestMetrics, RequestOutput
 from engine_core.prompt_checks import apply_chat_template, check_token_ids
 from engine_core.request import FinishReason, Request
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import SamplingParams, with_eos
 
 PromptType = str | dict[str, Any]
 ChatMessages = list[dict[str, str]]
@@ -46,12 +45,6 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     if eos is None:
         eos = next(iter(read_generation_eos(model_dir)), None)
     return LoadedEngine(core, runner, tokenizer, model_name(config.model), eos)
-
-
-def with_eos(params: SamplingParams, eos_token_id: int | None, vocab_size: int) -> SamplingParams:
-    """A copy of the user's params that knows the model's EOS id (the user's object is left untouched)."""
-    params.validate_vocab(vocab_size)
-    return dataclasses.replace(params, eos_token_id=eos_token_id)
 
 
 class LLM:

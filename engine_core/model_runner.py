@@ -14,7 +14,8 @@ import numpy as np
 import structlog
 import torch
 
-from engine_core.attention.backend import AttentionMetadata, create_backend
+from engine_core.attention.backend import AttentionMetadata
+from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
 from engine_core.input_batch import InputBatch, StepInputs
 from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config

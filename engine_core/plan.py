@@ -25,6 +25,10 @@ class NewSequenceData:
     seed: int | None  # per-sequence seed (request seed + choice index), None for the shared generator
     block_ids: list[int]
     num_computed_tokens: int  # tokens whose K/V already sit in `block_ids` (prefix-cache hit or fork)
+    # Who the sequence is for, so the worker can attribute its work (logs, tracing) without asking back.
+    request_id: str = ""
+    trace_context: str = ""  # the W3C traceparent the request came with ("" when none)
+    trace_state: str = ""  # the W3C tracestate that came with it ("" when none)
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -120,3 +121,9 @@ class SamplingParams:
         if not self.ignore_eos and self.eos_token_id is not None:
             ids.add(self.eos_token_id)
         return ids
+
+
+def with_eos(params: SamplingParams, eos_token_id: int | None, vocab_size: int) -> SamplingParams:
+    """A copy of the user's params that knows the model's EOS id (the user's object is left untouched)."""
+    params.validate_vocab(vocab_size)
+    return dataclasses.replace(params, eos_token_id=eos_token_id)

@@ -16,6 +16,7 @@ from engine_core.config import EngineConfig
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.plan import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
 from engine_core.request import FinishReason, Request, Sequence, SequenceStatus
+from engine_core.request_limits import RequestLimits
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.block_size = config.block_size
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.limits = RequestLimits(max_model_len, num_blocks, config.block_size, config.max_num_seqs)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.requests: dict[str, Request] = {}
@@ -50,23 +52,8 @@ class Scheduler:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def check_request(self, n_prompt: int, n: int) -> None:
-        """Raises ValueError if a request could never run here. Reads only fixed limits: safe from any thread."""
-        if n_prompt == 0:
-            raise ValueError("prompt_token_ids must contain at least one token")
-        if n_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {n_prompt} tokens long but max_model_len is {self.max_model_len}: "
-                "the prompt must be shorter than max_model_len to leave room for output"
-            )
-        num_blocks = self.kv.pool.num_blocks
-        if -(-n_prompt // self.block_size) > num_blocks:
-            # NOTE: it could never be admitted, and strict FCFS would block every request behind it forever.
-            raise ValueError(
-                f"prompt is {n_prompt} tokens long but the KV cache holds only {num_blocks} blocks of "
-                f"{self.block_size} tokens ({num_blocks * self.block_size} tokens)"
-            )
-        if n > self.config.max_num_seqs:
-            raise ValueError(f"n ({n}) must be <= max_num_seqs ({self.config.max_num_seqs})")
+        """Raises ValueError if a request could never run here (see RequestLimits)."""
+        self.limits.check(n_prompt, n)
 
     def add_request(self, request: Request) -> None:
         n_prompt, n = request.num_prompt_tokens, request.sampling_params.n
@@ -259,6 +246,9 @@ class Scheduler:
                         seed=seq.seed,
                         block_ids=self.kv.block_ids(seq.seq_id),
                         num_computed_tokens=seq.num_computed_tokens,
+                        request_id=seq.request.request_id,
+                        trace_context=seq.request.trace_context.get("traceparent", ""),
+                        trace_state=seq.request.trace_context.get("tracestate", ""),
                     )
                 )
             out.num_scheduled_tokens[seq.seq_id] = n

@@ -15,6 +15,8 @@ import sys
 import threading
 from typing import TextIO
 
+from services.common.engine_flags import field_default
+
 DEMO_PROMPT = "Write a haiku about a pagoda in the rain."
 
 
@@ -136,8 +138,10 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run scheduler, worker(s) and frontend locally")
     serve.add_argument("--demo", action="store_true", help="stream one generation through gRPC once healthy")
     serve.add_argument("--model", default=None)
-    serve.add_argument("--dtype", default="float32")
-    serve.add_argument("--kv-cache-memory", type=float, default=2.0, help="GiB of KV cache per worker")
+    serve.add_argument("--dtype", default=field_default("dtype"))
+    serve.add_argument(
+        "--kv-cache-memory", type=float, default=field_default("kv_cache_memory"), help="GiB of KV cache per worker"
+    )
     serve.add_argument("--host", default="0.0.0.0", help="the frontend's bind address")
     serve.add_argument("--grpc-port", type=int, default=50051)
     serve.add_argument("--http-port", type=int, default=8000)
@@ -157,7 +161,8 @@ def _parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a completion (offline, or through --server)")
     gen.add_argument("--server", default=None, help="a frontend's gRPC address, e.g. localhost:50051")
     gen.add_argument("--model", default=None, help="offline only")
-    gen.add_argument("--dtype", default="float32", help="offline only")
+    gen.add_argument("--dtype", default=field_default("dtype"), help="offline only")
+    # NOTE: a smaller cache than the engine's default on purpose: one prompt needs little, and it starts faster.
     gen.add_argument("--kv-cache-memory", type=float, default=0.5, help="offline only")
     _add_sampling_args(gen)
     return p

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from services.common.engine_flags import field_default
 from services.common.health import NOT_SERVING, SERVING, check
 from services.common.tls import TlsFiles
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
@@ -30,15 +31,15 @@ def free_port() -> int:
 @dataclass
 class LaunchConfig:
     model: str | None = None
-    dtype: str = "float32"
-    kv_cache_memory: float = 2.0
+    dtype: str = field_default("dtype")
+    kv_cache_memory: float = field_default("kv_cache_memory")
     host: str = "0.0.0.0"  # the frontend's bind address; internal services bind to loopback
     grpc_port: int = 50051
     http_port: int = 8000
     scheduler_port: int = 50052
     worker_ports: list[int] = field(default_factory=lambda: [50053])
     num_threads: int | None = None
-    max_num_seqs: int = 128
+    max_num_seqs: int = field_default("max_num_seqs")
     extra_worker_args: list[str] = field(default_factory=list)
     extra_scheduler_args: list[str] = field(default_factory=list)
     extra_frontend_args: list[str] = field(default_factory=list)

@@ -2,19 +2,18 @@
 
 from __future__ import annotations
 
-import os
+from kernels.triton_mode import configure_triton_interpret
 
-# NOTE: triton's own library functions are decorated when triton is first imported (transformers may import it),
-# so the interpreter switch must be set before anything else on a machine without a GPU.
-if not os.path.exists("/dev/nvidiactl"):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# NOTE: first, before anything imports triton (the same decision the kernels package makes).
+configure_triton_interpret()
 
 import pytest
 import torch
 
-from engine_core.model_loader import load_tokenizer, resolve_model_dir
+from engine_core.config import default_cache_dir
+from engine_core.model_files import load_tokenizer, resolve_model_dir
 
-CACHE_DIR = os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda"))
+CACHE_DIR = default_cache_dir()
 
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

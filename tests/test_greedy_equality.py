@@ -86,8 +86,9 @@ def test_preemption(smollm2_dir: str, prompt_ids: list[list[int]], reference: li
     # 14 blocks of 16 tokens hold only a few sequences of up to ~100 tokens at once.
     llm = LLM(smollm2_dir, num_kv_blocks=14, max_num_batched_tokens=128)
     assert_same(run(llm, prompt_ids), reference)
-    assert llm.core.scheduler.num_preemptions > 0
-    assert llm.core.scheduler.num_free_blocks == 14
+    stats = llm.core.stats()
+    assert stats.preemptions > 0
+    assert stats.free_blocks == stats.total_blocks == 14
 
 
 def test_prefix_cache_hits(

@@ -53,7 +53,7 @@ def test_parallel_sampling_shares_prompt_blocks(llm: LLM) -> None:
 
 
 def _with_eos(llm: LLM, params: SamplingParams) -> SamplingParams:
-    from engine_core.llm import with_eos
+    from engine_core.sampling_params import with_eos
 
     return with_eos(params, llm.engine.eos_token_id, llm.engine.runner.info.vocab_size)
 

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine_core import LLM, SamplingParams
-from engine_core.model_loader import load_tokenizer
+from engine_core.model_files import load_tokenizer
 from tests.hf_reference import hf_greedy
 
 VOCAB = 49152  # SmolLM2's tokenizer is saved beside the tiny weights so text prompts work too

@@ -598,7 +598,8 @@ def test_num_cached_tokens_reaches_the_engine_outputs() -> None:
     core.add_request(make_request(prompt, request_id="b", max_tokens=2))
     outs = core.step()
     assert {o.request_id: o.num_cached_tokens for o in outs} == {"a": 0, "b": 12}
-    assert core.scheduler.kv.stats.hits == 12 and core.scheduler.kv.stats.queries == 26
+    stats = core.stats()
+    assert stats.prefix_cache_hits == 12 and stats.prefix_cache_queries == 26
 
 
 def test_prefix_cache_stats_count_each_admission_once() -> None:
@@ -611,3 +612,34 @@ def test_prefix_cache_stats_count_each_admission_once() -> None:
     stats = h.sched.kv.stats
     assert stats.queries == 32
     assert stats.hits == 12
+
+
+def test_new_sequence_says_which_request_and_trace_it_is_for() -> None:
+    sched = make_scheduler()
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    request = make_request([1, 2, 3], request_id="who")
+    request.trace_context = {"traceparent": traceparent, "tracestate": "k=v"}
+    sched.add_request(request)
+    sched.add_request(make_request([4, 5], request_id="untraced"))
+    new = {s.request_id: s for s in sched.schedule().new_seqs}
+    assert new["who"].trace_context == traceparent and new["who"].trace_state == "k=v"
+    assert new["untraced"].trace_context == "" and new["untraced"].trace_state == ""
+
+
+def test_engine_core_abort_and_finish_return_their_outputs() -> None:
+    core = EngineCore(EngineConfig(num_kv_blocks=32, block_size=4), Worker(32, 4), max_model_len=64, num_blocks=32)
+    core.add_request(make_request([5, 6, 7], request_id="a", n=3, max_tokens=8))
+    core.add_request(make_request([5, 6], request_id="b", max_tokens=8))
+    core.step()  # a prefills its shared prompt part, b prefills and samples
+    assert core.stats().num_requests == 2 and core.has_request("a")
+    outs = core.finish_choice("b", 0, FinishReason.STOP_STRING, "\n")
+    assert [(o.index, o.finish_reason, o.stop_reason) for o in outs] == [(0, FinishReason.STOP_STRING, "\n")]
+    assert core.finish_choice("b", 0, FinishReason.STOP_STRING, "\n") == [] and not core.has_request("b")
+    # a's siblings do not exist yet (it has not forked): the abort still ends all three choices
+    outs = core.abort("a")
+    assert sorted((o.index, o.finish_reason) for o in outs) == [(i, FinishReason.ABORT) for i in range(3)]
+    assert core.abort("a") == [] and not core.has_request("a")
+    stats = core.stats()
+    assert stats.free_blocks == stats.total_blocks == 32 and stats.num_requests == stats.running == 0
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        core.check_request(3, 100_000)

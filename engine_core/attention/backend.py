@@ -1,5 +1,8 @@
 """The attention-backend interface: the model calls `backend.forward(...)` and never knows which backend runs.
 
+The implementations (`torch_backend`, `cpu_backend`, `triton_backend`) import this module; the choice among them is
+`selector.create_backend`, which imports them: the imports only point down, never in a circle.
+
 Batch layout (built by the model runner once per step, shared by all layers):
 - tokens are flattened; the `num_decodes` decode sequences (one query token each) come first, then the
   `num_prefills` prefill/extend chunks (one or more query tokens each, their K/V context in the cache).
@@ -12,10 +15,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-import structlog
 import torch
-
-log = structlog.get_logger(__name__)
 
 
 @dataclass
@@ -66,31 +66,3 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...
-
-
-def create_backend(
-    name: str,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    scale: float,
-    dtype: torch.dtype = torch.float32,
-) -> AttentionBackend:
-    """`cpu` falls back to `torch` (logged) for dtypes or machines its native kernel does not serve."""
-    if name == "cpu":
-        from engine_core.attention.cpu_backend import CpuAttentionBackend, cpu_backend_supported
-
-        if cpu_backend_supported(dtype):
-            return CpuAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, scale)
-        log.warning("cpu attention backend unavailable for this dtype/machine; using torch", dtype=str(dtype))
-        name = "torch"
-    if name == "torch":
-        from engine_core.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, scale)
-    if name == "triton":
-        from engine_core.attention.triton_backend import TritonAttentionBackend
-
-        return TritonAttentionBackend(num_heads, num_kv_heads, head_dim, block_size, scale)
-    raise ValueError(f"attention_backend must be 'cpu', 'torch' or 'triton', got {name!r}")

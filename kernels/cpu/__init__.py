@@ -37,6 +37,8 @@ def _build_dir() -> Path:
     except (OSError, StopIteration):
         flags = platform.processor()
     h.update(flags.encode())
+    # NOTE: the same rule as engine_core.config.default_cache_dir (a test holds them equal): kernels sit below
+    # engine_core and cannot import it, and the frontend, which needs the cache dir, must not import kernels.
     root = Path(os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda")))
     return root / "kernels" / h.hexdigest()[:16]
 

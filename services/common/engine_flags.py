@@ -1,34 +1,70 @@
-"""Engine flags (model, dtype, KV cache...) shared by the worker, the scheduler and `pagoda serve`."""
+"""Engine flags (model, dtype, KV cache...) derived from `EngineConfig`'s fields: defaults and help written once.
+
+A field `max_num_seqs` becomes `--max-num-seqs` (env `PAGODA_MAX_NUM_SEQS`), with the field's default and its
+`help` metadata; `engine_config_from_args` builds the EngineConfig back from the parsed flags.
+"""
 
 from __future__ import annotations
 
 import argparse
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import MISSING, Field, fields
+from typing import Any
 
-from services.common.flags import add_flag, optional_int, optional_str
+from engine_core.config import EngineConfig
+from services.common.flags import add_flag, optional_float, optional_int, optional_str
+
+MODEL_FIELDS = ("model", "tokenizer")
+# What shapes the model runner and its KV cache.
+WORKER_FIELDS = (
+    "dtype", "device", "block_size", "kv_cache_memory", "gpu_memory_utilization", "max_model_len",
+    "attention_backend", "num_threads", "seed", "max_num_seqs", "num_kv_blocks",
+)  # fmt: skip
+# What shapes continuous batching (the worker's --max-num-seqs must be at least the scheduler's).
+SCHEDULER_FIELDS = (
+    "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "enable_prefix_caching", "num_kv_blocks",
+)  # fmt: skip
+
+_FIELDS: dict[str, Field[Any]] = {f.name: f for f in fields(EngineConfig)}
+_HINTS = typing.get_type_hints(EngineConfig)
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    add_flag(parser, "--model", default=None, type=optional_str, help="HF directory or .gguf file (default SmolLM2)")
-    add_flag(parser, "--tokenizer", default=None, type=optional_str, help="tokenizer directory (default: the model's)")
+def _parser_type(name: str) -> Callable[[str], Any]:
+    hint = _HINTS[name]
+    args = typing.get_args(hint)
+    optional = isinstance(hint, types.UnionType) and type(None) in args
+    base = next(a for a in args if a is not type(None)) if optional else hint
+    if optional:
+        return {int: optional_int, float: optional_float, str: optional_str}[base]
+    return base
 
 
-def add_worker_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """What shapes the model runner and its KV cache."""
-    add_flag(parser, "--dtype", default="float32", help="float32 | bfloat16 | float16")
-    add_flag(parser, "--device", default="cpu", help="cpu | cuda | cuda:N")
-    add_flag(parser, "--block-size", default=16, type=int, help="tokens per KV block")
-    add_flag(parser, "--kv-cache-memory", default=2.0, type=float, help="GiB of KV cache on CPU")
-    add_flag(parser, "--gpu-memory-utilization", default=0.85, type=float, help="fraction of free GPU memory")
-    add_flag(parser, "--max-model-len", default=None, type=optional_int, help="context limit (default: the model's)")
-    add_flag(parser, "--attention-backend", default=None, type=optional_str, help="cpu | torch | triton")
-    add_flag(parser, "--num-threads", default=None, type=optional_int, help="torch CPU threads")
-    add_flag(parser, "--seed", default=0, type=int, help="seed of the shared sampling generator")
+def field_default(name: str) -> Any:
+    """EngineConfig's default for a field (the launcher and CLI read defaults here too)."""
+    f = _FIELDS[name]
+    return f.default_factory() if f.default is MISSING and f.default_factory is not MISSING else f.default
 
 
-def add_scheduler_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """What shapes continuous batching (the worker's --max-num-seqs must be at least the scheduler's)."""
-    add_flag(parser, "--max-num-seqs", default=128, type=int, help="sequences per step")
-    add_flag(parser, "--max-num-batched-tokens", default=2048, type=int, help="tokens per step")
-    add_flag(parser, "--scheduling-policy", default="fcfs", help="fcfs | priority")
-    add_flag(parser, "--enable-prefix-caching", default=True, type=bool, help="reuse KV blocks of shared prefixes")
-    add_flag(parser, "--num-kv-blocks", default=None, type=optional_int, help="override the profiled block count")
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    """Adds one flag per EngineConfig field in `names` (services.common.flags.add_flag semantics)."""
+    for name in names:
+        add_flag(
+            parser,
+            flag_name(name),
+            default=field_default(name),
+            type=_parser_type(name),
+            help=_FIELDS[name].metadata.get("help", ""),
+        )
+
+
+def engine_config_from_args(args: argparse.Namespace, names: Sequence[str], **overrides: Any) -> EngineConfig:
+    """The EngineConfig of the parsed flags in `names` (other fields keep their defaults); ValueError if invalid."""
+    values = {name: getattr(args, name) for name in names}
+    values.update(overrides)
+    return EngineConfig(**values)

@@ -51,3 +51,7 @@ def optional_int(value: str) -> int | None:
 
 def optional_str(value: str) -> str | None:
     return value or None
+
+
+def optional_float(value: str) -> float | None:
+    return None if value.strip().lower() in ("", "none", "auto") else float(value)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from engine_core.plan import (
@@ -14,17 +12,11 @@ from engine_core.plan import (
     PromptLogprobs,
     SchedulerOutput,
 )
-from engine_core.request import Request
-from services.common.timeutil import request_timestamps
 from services.convert.params import params_from_proto, params_to_proto
 from services.rpc import common_pb2, worker_pb2
 
-RequestLookup = Callable[[int], Request | None]
 
-
-def plan_to_proto(
-    plan: SchedulerOutput, *, epoch: str, step: int, request_of: RequestLookup
-) -> worker_pb2.ExecuteRequest:
+def plan_to_proto(plan: SchedulerOutput, *, epoch: str, step: int) -> worker_pb2.ExecuteRequest:
     msg = worker_pb2.ExecuteRequest(
         epoch=epoch,
         step=step,
@@ -42,14 +34,11 @@ def plan_to_proto(
             sampling=params_to_proto(new.sampling_params, with_stop_strings=False),
             block_ids=new.block_ids,
             num_computed_tokens=new.num_computed_tokens,
+            request_id=new.request_id,
+            trace=common_pb2.TraceContext(traceparent=new.trace_context, tracestate=new.trace_state),
         )
         if new.seed is not None:
             seq.seed = new.seed
-        request = request_of(new.seq_id)
-        if request is not None:
-            seq.request_id = request.request_id
-            seq.trace.CopyFrom(common_pb2.TraceContext(**request.trace_context))
-            seq.timestamps.CopyFrom(request_timestamps(request))
     for cached in plan.cached_seqs:
         msg.cached_seqs.add(
             seq_id=cached.seq_id, new_block_ids=cached.new_block_ids, num_computed_tokens=cached.num_computed_tokens
@@ -68,6 +57,9 @@ def plan_from_proto(msg: worker_pb2.ExecuteRequest) -> SchedulerOutput:
                 seed=s.seed if s.HasField("seed") else None,
                 block_ids=list(s.block_ids),
                 num_computed_tokens=s.num_computed_tokens,
+                request_id=s.request_id,
+                trace_context=s.trace.traceparent,
+                trace_state=s.trace.tracestate,
             )
             for s in msg.new_seqs
         ],

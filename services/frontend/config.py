@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 
-from services.common.engine_flags import add_model_flags
+from engine_core.config import default_cache_dir
+from services.common.engine_flags import MODEL_FIELDS, add_engine_flags
 from services.common.flags import add_flag, optional_str
 from services.common.tls import TlsFiles
 from services.frontend.auth import read_keys
@@ -41,7 +41,7 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
     add_flag(p, "--grpc-port", default=50051, type=int, help="public gRPC port (0 picks a free one)")
     add_flag(p, "--http-port", default=8000, type=int, help="OpenAI-compatible HTTP port (-1 disables it)")
     add_flag(p, "--scheduler-addr", default="localhost:50052", help="the scheduler's address")
-    add_model_flags(p)
+    add_engine_flags(p, MODEL_FIELDS)
     add_flag(p, "--max-inflight", default=4096, type=int, help="requests in flight before RESOURCE_EXHAUSTED")
     add_flag(p, "--scheduler-timeout", default=600.0, type=float, help="seconds to wait for the scheduler at start")
     add_flag(p, "--drain-timeout", default=20.0, type=float, help="seconds to finish in-flight streams on SIGTERM")
@@ -69,7 +69,7 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         scheduler_addr=a.scheduler_addr,
         model=a.model,
         tokenizer=a.tokenizer,
-        cache_dir=os.path.expanduser(os.environ.get("PAGODA_CACHE", "~/.cache/pagoda")),
+        cache_dir=default_cache_dir(),
         max_inflight=a.max_inflight,
         scheduler_timeout=a.scheduler_timeout,
         drain_timeout=a.drain_timeout,

@@ -18,7 +18,7 @@ import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine_core.model_loader import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
+from engine_core.model_files import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
 from services.common.grpc_opts import server_options
 from services.common.health import HEALTH_SERVICE, SERVING, ServiceHealth
 from services.common.logs import configure_logging

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from services.common.engine_flags import add_scheduler_engine_flags
+from services.common.engine_flags import SCHEDULER_FIELDS, add_engine_flags, engine_config_from_args
 from services.common.flags import add_flag
 from services.common.tls import TlsFiles
 
@@ -32,7 +32,7 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
     add_flag(p, "--host", default="127.0.0.1", help="address to bind (internal: loopback unless told otherwise)")
     add_flag(p, "--scheduler-port", default=50052, type=int, help="gRPC port (0 picks a free one)")
     add_flag(p, "--worker-addrs", default="localhost:50053", help="comma-separated worker addresses, rank order")
-    add_scheduler_engine_flags(p)
+    add_engine_flags(p, SCHEDULER_FIELDS)
     add_flag(p, "--max-waiting-requests", default=1024, type=int, help="queued requests before RESOURCE_EXHAUSTED")
     add_flag(p, "--worker-timeout", default=600.0, type=float, help="seconds to wait for workers to be ready")
     add_flag(p, "--step-timeout", default=300.0, type=float, help="seconds one step may take")
@@ -46,8 +46,10 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
     workers = [w.strip() for w in a.worker_addrs.split(",") if w.strip()]
     if not workers:
         p.error("--worker-addrs must name at least one worker")
-    if a.scheduling_policy not in ("fcfs", "priority"):
-        p.error(f"--scheduling-policy must be fcfs or priority, got {a.scheduling_policy!r}")
+    try:
+        engine_config_from_args(a, SCHEDULER_FIELDS)  # NOTE: validates the engine flags with EngineConfig's rules
+    except ValueError as e:
+        p.error(str(e))
     return SchedulerConfig(
         host=a.host,
         port=a.scheduler_port,

@@ -18,9 +18,10 @@ import grpc
 import structlog
 
 from engine_core.config import EngineConfig
-from engine_core.core_output import SeqOutput
+from engine_core.core_output import SeqOutput, ending_outputs
 from engine_core.engine import EngineCore
 from engine_core.request import FinishReason, Request
+from engine_core.stats import EngineStats
 from services.common.timeutil import monotonic_to_ns
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.executor import RemoteExecutor, WorkerGroupInfo, WorkerMismatchError
@@ -43,16 +44,10 @@ class RequestEvent:
 
 @dataclass(frozen=True)
 class SchedulerStats:
+    """The engine's snapshot plus what only the loop knows (readiness, step timings)."""
+
     ready: bool = False
-    running: int = 0
-    waiting: int = 0
-    num_requests: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-    kv_usage: float = 0.0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    preemptions: int = 0
+    engine: EngineStats = field(default_factory=EngineStats)
     steps: int = 0
     step_seconds: float = 0.0
     worker_seconds: float = 0.0
@@ -165,7 +160,6 @@ class EngineLoop:
             num_kv_blocks=num_blocks,
         )
         core = EngineCore(engine_config, self.executor, info.max_model_len, num_blocks)
-        self.executor.request_of = lambda seq_id: s.request if (s := core.scheduler.seqs.get(seq_id)) else None
         self.info, self.core = info, core
         self._publish_stats()
         log.info("engine ready", workers=len(self.config.worker_addrs), blocks=num_blocks, model=info.model)
@@ -196,7 +190,7 @@ class EngineLoop:
             request = self._requests.get(request_id)
             if request is None:
                 continue
-            if request_id not in core.scheduler.requests:
+            if not core.has_request(request_id):
                 event.finished = True
                 del self._requests[request_id]
             t = request.timings
@@ -227,33 +221,23 @@ class EngineLoop:
             except ValueError as e:  # NOTE: the server validates first; this is the last line of defence
                 event = self._event(events, request.request_id)
                 event.error = str(e)
-                event.outputs = [
-                    SeqOutput(request.request_id, i, [], finish_reason=FinishReason.ERROR)
-                    for i in range(request.sampling_params.n)
-                ]
+                event.outputs = ending_outputs(request, FinishReason.ERROR)
                 event.finished = True
                 return
             self._requests[request.request_id] = request
         elif isinstance(cmd, _Abort):
             request = self._requests.get(cmd.request_id)
             if request is not None:
-                core.abort(cmd.request_id)
-                self._end(request, FinishReason.ABORT, events)
+                self._end(request, core.abort(cmd.request_id), events)
         elif isinstance(cmd, _FinishChoice):
-            request = self._requests.get(cmd.request_id)
-            if request is not None:
-                core.finish_choice(cmd.request_id, cmd.index, FinishReason.STOP_STRING, cmd.stop)
-                out = SeqOutput(cmd.request_id, cmd.index, [], finish_reason=FinishReason.STOP_STRING)
-                out.stop_reason = cmd.stop
-                self._event(events, cmd.request_id).outputs.append(out)
+            outs = core.finish_choice(cmd.request_id, cmd.index, FinishReason.STOP_STRING, cmd.stop)
+            if outs:
+                self._event(events, cmd.request_id).outputs.extend(outs)
 
-    def _end(self, request: Request, reason: FinishReason, events: dict[str, RequestEvent]) -> None:
-        """Reports every unfinished choice of a request that ended outside a step (abort, error)."""
-        done = {s.index for s in request.seqs if s.is_finished and s.finish_reason is not reason}
+    def _end(self, request: Request, outputs: list[SeqOutput], events: dict[str, RequestEvent]) -> None:
+        """Reports a request that ended outside a step (abort, error) with its last outputs."""
         event = self._event(events, request.request_id)
-        for index in range(request.sampling_params.n):
-            if index not in done:
-                event.outputs.append(SeqOutput(request.request_id, index, [], finish_reason=reason))
+        event.outputs.extend(outputs)
         event.finished = True
         self._requests.pop(request.request_id, None)
 
@@ -267,8 +251,9 @@ class EngineLoop:
     def _fail_all(self, error: str) -> None:
         events: dict[str, RequestEvent] = {}
         for request in list(self._requests.values()):
+            # NOTE: the core may be broken (a worker failed mid-step): the outputs come from the request alone.
             self._event(events, request.request_id).error = error
-            self._end(request, FinishReason.ERROR, events)
+            self._end(request, ending_outputs(request, FinishReason.ERROR), events)
         if events:
             self.publish(list(events.values()))
 
@@ -284,22 +269,9 @@ class EngineLoop:
 
     def _publish_stats(self) -> None:
         core = self.core
-        if core is None:
-            self.stats = SchedulerStats(steps=self._steps, step_seconds=self._step_s, worker_seconds=self._worker_s)
-            return
-        sched = core.scheduler
-        pool = sched.kv.pool
         self.stats = SchedulerStats(
-            ready=True,
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            num_requests=len(sched.requests),
-            free_blocks=pool.num_free,
-            total_blocks=pool.num_blocks,
-            kv_usage=pool.usage,
-            prefix_cache_queries=sched.kv.stats.queries,
-            prefix_cache_hits=sched.kv.stats.hits,
-            preemptions=sched.num_preemptions,
+            ready=core is not None,
+            engine=core.stats() if core is not None else EngineStats(),
             steps=self._steps,
             step_seconds=self._step_s,
             worker_seconds=self._worker_s,

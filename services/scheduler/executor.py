@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
 
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
-from engine_core.request import Request
 from services.common.grpc_opts import CHANNEL_OPTIONS
 from services.common.health import wait_serving
 from services.common.tls import TlsFiles, sync_channel
@@ -50,7 +48,6 @@ class RemoteExecutor:
         self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self.epoch = ""
         self.step = 0
-        self.request_of: Callable[[int], Request | None] = lambda _seq_id: None
         self.last_worker_s = 0.0  # the worker's own time on the last step (the rest is transport)
 
     def connect(self, timeout: float) -> WorkerGroupInfo:
@@ -86,7 +83,7 @@ class RemoteExecutor:
             stub.InitCache(req, timeout=120.0)
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        req = plan_to_proto(plan, epoch=self.epoch, step=self.step, request_of=self.request_of)
+        req = plan_to_proto(plan, epoch=self.epoch, step=self.step)
         self.step += 1
         req.return_samples = True
         if len(self._stubs) == 1:

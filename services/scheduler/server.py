@@ -117,9 +117,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             params.validate_vocab(info.vocab_size)
             check_wire_ranges(params)  # NOTE: seed + n - 1 must fit the step message's int64
             check_token_ids(request.prompt_token_ids, info.vocab_size)
-            # NOTE: the engine's own admission limits (read-only, so safe from this thread), checked here so a bad
-            # request fails its RPC instead of failing later on the engine thread.
-            core.scheduler.check_request(len(request.prompt_token_ids), params.n)
+            # NOTE: the engine's own admission limits (frozen RequestLimits, so safe from this thread), checked here
+            # so a bad request fails its RPC instead of failing later on the engine thread.
+            core.check_request(len(request.prompt_token_ids), params.n)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return Request(
@@ -177,17 +177,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.StatsResponse:
         s = self.engine.stats
+        e = s.engine
         return scheduler_pb2.StatsResponse(
-            running=s.running,
-            waiting=s.waiting,
-            num_requests=s.num_requests,
-            free_blocks=s.free_blocks,
-            total_blocks=s.total_blocks,
-            kv_usage=s.kv_usage,
-            prefix_cache_hit_rate=s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
-            prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits,
-            preemptions=s.preemptions,
+            running=e.running,
+            waiting=e.waiting,
+            num_requests=e.num_requests,
+            free_blocks=e.free_blocks,
+            total_blocks=e.total_blocks,
+            kv_usage=e.kv_usage,
+            prefix_cache_hit_rate=e.prefix_cache_hits / e.prefix_cache_queries if e.prefix_cache_queries else 0.0,
+            prefix_cache_queries=e.prefix_cache_queries,
+            prefix_cache_hits=e.prefix_cache_hits,
+            preemptions=e.preemptions,
             steps=s.steps,
             draining=self.draining,
             step_seconds=s.step_seconds,
@@ -207,7 +208,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             max_model_len=info.max_model_len,
             vocab_size=info.vocab_size,
             block_size=info.block_size,
-            num_kv_blocks=self.engine.stats.total_blocks,
+            num_kv_blocks=self.engine.stats.engine.total_blocks,
             max_num_seqs=self.config.max_num_seqs,
             num_workers=len(self.config.worker_addrs),
         )

@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass
 
 from engine_core.config import EngineConfig
-from services.common.engine_flags import add_model_flags, add_worker_engine_flags
-from services.common.flags import add_flag, optional_int
+from services.common.engine_flags import MODEL_FIELDS, WORKER_FIELDS, add_engine_flags, engine_config_from_args
+from services.common.flags import add_flag
 from services.common.tls import TlsFiles
 
 
@@ -25,10 +25,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     p = argparse.ArgumentParser(prog="pagoda worker", description="Pagoda worker: runs the model on the KV cache")
     add_flag(p, "--host", default="127.0.0.1", help="address to bind (internal: loopback unless told otherwise)")
     add_flag(p, "--worker-port", default=50053, type=int, help="gRPC port (0 picks a free one)")
-    add_model_flags(p)
-    add_worker_engine_flags(p)
-    add_flag(p, "--max-num-seqs", default=128, type=int, help="rows of the persistent batch")
-    add_flag(p, "--num-kv-blocks", default=None, type=optional_int, help="fixed block count (skips profiling)")
+    add_engine_flags(p, MODEL_FIELDS + WORKER_FIELDS)
     # NOTE: longer than the scheduler's 20 s, so the worker serves the steps of the scheduler's whole drain.
     add_flag(p, "--drain-timeout", default=25.0, type=float, help="seconds to drain after SIGTERM")
     add_flag(p, "--drain-idle", default=1.0, type=float, help="idle seconds that end a drain")
@@ -36,21 +33,7 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     a = p.parse_args(argv)
     try:
         tls = TlsFiles.from_args(a)
-        engine = EngineConfig(
-            model=a.model,
-            tokenizer=a.tokenizer,
-            dtype=a.dtype,
-            device=a.device,
-            seed=a.seed,
-            block_size=a.block_size,
-            kv_cache_memory=a.kv_cache_memory,
-            gpu_memory_utilization=a.gpu_memory_utilization,
-            num_kv_blocks=a.num_kv_blocks,
-            max_model_len=a.max_model_len,
-            max_num_seqs=a.max_num_seqs,
-            attention_backend=a.attention_backend,
-            num_threads=a.num_threads,
-        )
+        engine = engine_config_from_args(a, MODEL_FIELDS + WORKER_FIELDS)
     except ValueError as e:
         p.error(str(e))
     return WorkerConfig(a.host, a.worker_port, engine, a.drain_timeout, a.drain_idle, tls)

