@@ -103,10 +103,17 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
-        max_rows = config.max_num_seqs
         self.max_blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
-        self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, config.block_size)
-        self.sampling = SamplingBatch(hf.vocab_size, self.device, max_rows)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every sequence (a fresh persistent batch and sampling state); weights and KV cache stay.
+
+        NOTE: a step that raised may have left the batch half-updated; rebuilding it is the only reset that cannot
+        leave a poisoned row behind. The worker calls this before serving a new cache epoch."""
+        max_rows = self.config.max_num_seqs
+        self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, self.config.block_size)
+        self.sampling = SamplingBatch(self.info.vocab_size, self.device, max_rows)
         self._prompt_logprob_seqs: set[int] = set()
 
     # ---- KV cache -------------------------------------------------------------------------------------------

@@ -15,6 +15,11 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
+    # NOTE: a restarted peer (scheduler, worker) is reached again within seconds, not after gRPC's default backoff
+    # of up to 120 s; calls meanwhile fail fast with UNAVAILABLE (no wait_for_ready).
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.min_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
 

@@ -26,7 +26,7 @@ _CODES = {
 def rpc_error(e: grpc.aio.AioRpcError) -> RequestError:
     code = _CODES.get(e.code(), ErrorCode.INTERNAL)
     details = e.details() or e.code().name
-    if code is ErrorCode.UNAVAILABLE:
+    if code is ErrorCode.UNAVAILABLE and not details.startswith("worker"):
         details = f"scheduler unavailable: {details}"
     return RequestError(code, details, details.split(" ", 1)[0] if code is ErrorCode.INVALID_ARGUMENT else None)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from services.common.engine_flags import SCHEDULER_FIELDS, add_engine_flags, engine_config_from_args
 from services.common.flags import add_flag
 from services.common.tls import TlsFiles
+from services.scheduler.executor import StepDeadline
 
 
 @dataclass
@@ -22,7 +23,10 @@ class SchedulerConfig:
     num_kv_blocks: int | None
     max_waiting_requests: int  # beyond this, Submit answers RESOURCE_EXHAUSTED
     worker_timeout: float  # seconds to wait for the workers at start (and after a worker failure)
-    step_timeout: float  # seconds one Execute may take before the worker counts as failed
+    step_timeout: float  # base seconds one Execute may take before the worker counts as failed (hung or dead)
+    step_timeout_per_token: float  # plus this much per scheduled token: the deadline scales with the step
+    heartbeat_interval: float  # idle: seconds between checks that every worker is alive and on our cache epoch
+    heartbeat_timeout: float
     drain_timeout: float
     tls: TlsFiles
 
@@ -35,7 +39,11 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
     add_engine_flags(p, SCHEDULER_FIELDS)
     add_flag(p, "--max-waiting-requests", default=1024, type=int, help="queued requests before RESOURCE_EXHAUSTED")
     add_flag(p, "--worker-timeout", default=600.0, type=float, help="seconds to wait for workers to be ready")
-    add_flag(p, "--step-timeout", default=300.0, type=float, help="seconds one step may take")
+    d = StepDeadline()
+    add_flag(p, "--step-timeout", default=d.base_s, type=float, help="base seconds of a step (then: worker hung)")
+    add_flag(p, "--step-timeout-per-token", default=d.per_token_s, type=float, help="extra step seconds per token")
+    add_flag(p, "--heartbeat-interval", default=2.0, type=float, help="idle seconds between worker heartbeats")
+    add_flag(p, "--heartbeat-timeout", default=5.0, type=float, help="seconds a worker has to answer a heartbeat")
     add_flag(p, "--drain-timeout", default=20.0, type=float, help="seconds to finish in-flight requests on SIGTERM")
     TlsFiles.add_flags(p)
     a = p.parse_args(argv)
@@ -62,6 +70,9 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
         max_waiting_requests=a.max_waiting_requests,
         worker_timeout=a.worker_timeout,
         step_timeout=a.step_timeout,
+        step_timeout_per_token=a.step_timeout_per_token,
+        heartbeat_interval=a.heartbeat_interval,
+        heartbeat_timeout=a.heartbeat_timeout,
         drain_timeout=a.drain_timeout,
         tls=tls,
     )

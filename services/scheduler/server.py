@@ -31,11 +31,20 @@ from services.scheduler.engine_loop import EngineLoop, RequestEvent
 
 log = structlog.get_logger(__name__)
 
+_STATUS = {
+    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    "INTERNAL": grpc.StatusCode.INTERNAL,
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+}
+
 
 class _Stream:
     """One Submit call: its outbox and the timestamps the frontend sent."""
 
-    def __init__(self, timestamps: common_pb2.RequestTimestamps, trace: common_pb2.TraceContext, owner: str) -> None:
+    def __init__(
+        self, request: Request, timestamps: common_pb2.RequestTimestamps, trace: common_pb2.TraceContext, owner: str
+    ) -> None:
+        self.request = request  # NOTE: events and commands match by this object, so a reused id never mixes
         self.queue: asyncio.Queue[scheduler_pb2.SubmitResponse] = asyncio.Queue()
         self.timestamps = timestamps
         self.trace = trace
@@ -73,23 +82,34 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _dispatch(self, events: list[RequestEvent]) -> None:
         for event in events:
             stream = self.streams.get(event.request_id)
-            if stream is None:
-                continue  # the caller went away; its abort is already queued
-            ts = common_pb2.RequestTimestamps()
-            ts.CopyFrom(stream.timestamps)
-            ts.scheduled_ns, ts.first_token_ns, ts.finished_ns = (
-                event.scheduled_ns,
-                event.first_token_ns,
-                event.finished_ns,
-            )
-            msg = scheduler_pb2.SubmitResponse(
-                outputs=[seq_output_to_proto(o) for o in event.outputs],
-                finished=event.finished,
-                trace=stream.trace,
-                timestamps=ts,
-                error=event.error,
-            )
-            stream.queue.put_nowait(msg)
+            if stream is None or (event.request is not None and event.request is not stream.request):
+                continue  # the caller went away (its abort is already queued), or a stale event of a reused id
+            try:
+                stream.queue.put_nowait(self._message(stream, event))
+            except Exception as e:  # NOTE: one request's bad output fails that request alone
+                log.exception("could not convert an event", request_id=event.request_id)
+                stream.queue.put_nowait(
+                    scheduler_pb2.SubmitResponse(finished=True, error=f"bad output: {e}", error_code="INTERNAL")
+                )
+                self.engine.abort(stream.request)
+
+    @staticmethod
+    def _message(stream: _Stream, event: RequestEvent) -> scheduler_pb2.SubmitResponse:
+        ts = common_pb2.RequestTimestamps()
+        ts.CopyFrom(stream.timestamps)
+        ts.scheduled_ns, ts.first_token_ns, ts.finished_ns = (
+            event.scheduled_ns,
+            event.first_token_ns,
+            event.finished_ns,
+        )
+        return scheduler_pb2.SubmitResponse(
+            outputs=[seq_output_to_proto(o) for o in event.outputs],
+            finished=event.finished,
+            trace=stream.trace,
+            timestamps=ts,
+            error=event.error,
+            error_code=event.error_code,
+        )
 
     # ---- RPCs ---------------------------------------------------------------------------------------------------
     async def _validate(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext) -> Request:
@@ -139,7 +159,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         ts = common_pb2.RequestTimestamps()
         ts.CopyFrom(request.timestamps)
         ts.queued_ns = now_ns()
-        stream = self.streams[rid] = _Stream(ts, request.trace, request.owner)
+        stream = self.streams[rid] = _Stream(engine_request, ts, request.trace, request.owner)
         self.engine.add(engine_request)
         finished = False
         try:
@@ -149,12 +169,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             while not finished:
                 msg = await stream.queue.get()
                 finished = msg.finished
+                if finished and msg.error_code:
+                    # NOTE: a failed request ends with its status (UNAVAILABLE: retry; INTERNAL), not OK + error.
+                    await context.abort(_STATUS.get(msg.error_code, grpc.StatusCode.INTERNAL), msg.error)
                 yield msg
         finally:
-            self.streams.pop(rid, None)
+            if self.streams.get(rid) is stream:
+                del self.streams[rid]
             if not finished:
                 # NOTE: the caller cancelled (or its frontend died): free the request's blocks now.
-                self.engine.abort(rid)
+                self.engine.abort(engine_request)
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -163,14 +187,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         # NOTE: another tenant's request answers found=False, exactly like an unknown id (nothing is revealed).
         found = stream is not None and stream.owner == request.owner
         if found:
-            self.engine.abort(request.request_id)
+            assert stream is not None
+            self.engine.abort(stream.request)
         return common_pb2.AbortResponse(found=found)
 
     async def FinishChoice(
         self, request: scheduler_pb2.FinishChoiceRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishChoiceResponse:
-        if request.request_id in self.streams:
-            self.engine.finish_choice(request.request_id, request.index, request.stop)
+        stream = self.streams.get(request.request_id)
+        if stream is not None:
+            self.engine.finish_choice(stream.request, request.index, request.stop)
         return scheduler_pb2.FinishChoiceResponse()
 
     async def Stats(
@@ -224,8 +250,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.sleep(0.05)
         if self.streams:
             log.warning("drain timed out: aborting", in_flight=len(self.streams))
-            for rid in list(self.streams):
-                self.engine.abort(rid)
+            for stream in list(self.streams.values()):
+                self.engine.abort(stream.request)
             await asyncio.sleep(0.5)
         await asyncio.to_thread(self.engine.stop)
 

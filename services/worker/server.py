@@ -16,7 +16,6 @@ import structlog
 
 from engine_core.model_files import model_name, resolve_model_dir
 from engine_core.model_runner import ModelRunner
-from engine_core.plan import SchedulerOutput
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
@@ -42,7 +41,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.num_blocks = 0
         self.rank = 0
         self.next_step = 0
-        self.live: set[int] = set()  # sequences in the runner's persistent batch
+        self.profiled_blocks: int | None = None
         self.last_step_at = time.monotonic()
         # NOTE: one thread owns the runner: steps are strictly ordered and torch runs outside the event loop.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
@@ -68,11 +67,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_model_len=runner.max_model_len,
             block_size=engine.block_size,
             max_num_seqs=engine.max_num_seqs,
-            num_kv_blocks=runner.profile_num_blocks(),
+            num_kv_blocks=self._profile(runner),
             block_bytes=info.block_bytes,
             device=engine.device,
             dtype=engine.dtype,
         )
+
+    def _profile(self, runner: ModelRunner) -> int:
+        """Blocks that fit, measured once. NOTE: re-measured with the cache allocated, free GPU memory would omit
+        the cache itself and the cache would shrink at every re-initialization."""
+        if self.profiled_blocks is None or not self.num_blocks:
+            self.profiled_blocks = runner.profile_num_blocks()
+        return self.profiled_blocks
+
+    async def Heartbeat(
+        self, request: worker_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.HeartbeatResponse:
+        return worker_pb2.HeartbeatResponse(epoch=self.epoch, next_step=self.next_step)
 
     async def InitCache(
         self, request: worker_pb2.InitCacheRequest, context: grpc.aio.ServicerContext
@@ -88,10 +99,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _init_cache(self, request: worker_pb2.InitCacheRequest) -> None:
         runner = self.runner
         assert runner is not None
-        if self.live:
-            # NOTE: a new scheduler (epoch) restarts sequence ids: forget every sequence of the previous one.
-            runner.execute(SchedulerOutput(finished_seq_ids=sorted(self.live)))
-            self.live.clear()
+        # NOTE: a new epoch (a new scheduler, or recovery after a failed step) restarts sequence ids: forget every
+        # sequence of the previous one, including any row a failed step left half-added.
+        runner.reset()
         if request.num_blocks != self.num_blocks:
             runner.init_kv_cache(request.num_blocks)
             self.num_blocks = request.num_blocks
@@ -128,8 +138,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         except Exception:
             self.epoch = ""  # NOTE: the persistent batch may be half-updated: refuse steps until re-initialized
             raise
-        self.live.difference_update(plan.finished_seq_ids)
-        self.live.update(s.seq_id for s in plan.new_seqs)
         resp = result_to_proto(out) if request.return_samples else worker_pb2.ExecuteResponse()
         resp.execute_s = time.perf_counter() - t0
         return resp
