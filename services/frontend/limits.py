@@ -10,46 +10,36 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from engine_core.sampling_params import SamplingParams
 from services.common.flags import add_flag
 from services.convert.ranges import check_ints, check_wire_ranges
 from services.frontend.request import GenerateInput, PromptInput, RequestError
 
-_HELP = {
-    "max_n": "choices per request (n)",
-    "max_stop_strings": "stop strings per request",
-    "max_stop_string_chars": "characters per stop string",
-    "max_stop_token_ids": "stop_token_ids per request",
-    "max_logit_bias": "logit_bias entries per request",
-    "max_prompts": "prompts in one /v1/completions request",
-    "max_prompt_chars": "characters of a text prompt, or of all chat messages together",
-    "max_chat_messages": "messages in one chat request",
-    "max_request_id_chars": "characters of a client request_id",
-    "max_tracestate_chars": "characters of a W3C tracestate header (longer ones are dropped, as W3C allows)",
-    "max_request_bytes": "bytes of one request: gRPC message or HTTP body",
-}
+
+def _limit(default: int, help: str) -> int:
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
 class ApiLimits:
-    max_n: int = 16
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 256
-    max_stop_token_ids: int = 256
-    max_logit_bias: int = 1024
-    max_prompts: int = 64
-    max_prompt_chars: int = 262_144
-    max_chat_messages: int = 1024
-    max_request_id_chars: int = 256
-    max_tracestate_chars: int = 512
-    max_request_bytes: int = 8 << 20
+    max_n: int = _limit(16, "choices per request (n)")
+    max_stop_strings: int = _limit(16, "stop strings per request")
+    max_stop_string_chars: int = _limit(256, "characters per stop string")
+    max_stop_token_ids: int = _limit(256, "stop_token_ids per request")
+    max_logit_bias: int = _limit(1024, "logit_bias entries per request")
+    max_prompts: int = _limit(64, "prompts in one /v1/completions request")
+    max_prompt_chars: int = _limit(262_144, "characters of a text prompt, or of all chat messages together")
+    max_chat_messages: int = _limit(1024, "messages in one chat request")
+    max_request_id_chars: int = _limit(256, "characters of a client request_id (and of a cache_salt)")
+    max_tracestate_chars: int = _limit(512, "characters of a W3C tracestate (longer ones are dropped, as W3C allows)")
+    max_request_bytes: int = _limit(8 << 20, "bytes of one request: gRPC message or HTTP body")
 
     @staticmethod
     def add_flags(parser: argparse.ArgumentParser) -> None:
         for f in fields(ApiLimits):
-            add_flag(parser, "--" + f.name.replace("_", "-"), default=f.default, type=int, help=_HELP[f.name])
+            add_flag(parser, "--" + f.name.replace("_", "-"), default=f.default, type=int, help=f.metadata["help"])
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ApiLimits:
