@@ -15,7 +15,7 @@ import pytest
 from services.client import GenerationClient, text_request
 from services.common.health import SERVING, check
 from services.launcher import LocalCluster
-from services.rpc import GENERATION_SERVICE, generation_pb2
+from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, generation_pb2
 from tests.services.probes import all_blocks_free, print_logs, start_cluster, wait_until
 
 pytestmark = pytest.mark.slow
@@ -84,7 +84,9 @@ class Reader:
 
 
 def _serving_again(cluster: LocalCluster, client: GenerationClient, greedy: list[int]) -> None:
-    wait_until(lambda: check(cluster.frontend_addr, GENERATION_SERVICE) == SERVING, 180, "frontend SERVING again")
+    # NOTE: the scheduler first (the frontend mirrors it once a second, so it may not have noticed the outage yet).
+    wait_until(lambda: check(cluster.scheduler_addr, SCHEDULER_SERVICE) == SERVING, 180, "scheduler SERVING again")
+    wait_until(lambda: check(cluster.frontend_addr, GENERATION_SERVICE) == SERVING, 60, "frontend SERVING again")
     assert client.generate(GREEDY).choices[0].token_ids == greedy
     FAULTS["recovered"] += 1
 
