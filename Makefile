@@ -36,9 +36,11 @@ serve: install proto
 bench: install kernels
 	$(PY) benchmarks/offline_throughput.py
 
+# NOTE: PYTHONPATH makes lint-imports read this tree's packages, whatever the editable install points at.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports
 
 format: install
 	$(VENV)/bin/ruff check --fix .

@@ -15,9 +15,9 @@ from engine_core.engine import EngineCore
 from engine_core.model_files import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
 from engine_core.model_runner import ModelRunner
 from engine_core.output_processor import OutputProcessor
-from engine_core.outputs import RequestMetrics, RequestOutput
 from engine_core.prompt_checks import apply_chat_template, check_token_ids
 from engine_core.request import FinishReason, Request
+from engine_core.request_output import RequestMetrics, RequestOutput
 from engine_core.sampling_params import SamplingParams, with_eos
 
 PromptType = str | dict[str, Any]

@@ -21,9 +21,11 @@ from engine_core.input_batch import InputBatch, StepInputs
 from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config
 from engine_core.models.cpu_linear import can_pack
 from engine_core.models.llama import model_class
+from engine_core.models.native_decode import NativeDecodeStep
 from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from engine_core.sampler import Sampler, compute_logprobs
 from engine_core.sampling_batch import SamplingBatch
+from engine_core.step_functions import StepFunction, pick_step_function
 from kernels import cpu as cpu_kernels
 
 log = structlog.get_logger(__name__)
@@ -85,10 +87,15 @@ class ModelRunner:
             model = cls(hf, backend, self.max_model_len)
         model.load_weights(iter_weights(model_dir))
         self.model = model.to(dtype=self.dtype).eval()
+        # The step functions (step_functions.py): the model's forward serves every step; `decode_step`, where set,
+        # serves decode-only steps. NOTE: this is the seam where a CUDA-graph replay of decode steps plugs in.
+        self.decode_step: StepFunction | None = None
         if can_pack(self.device, self.dtype):
             self.model.use_cpu_gemms()
             if cpu_kernels.available():
                 self.model.use_native_ops()
+                if backend.name == "cpu":  # the native step writes K/V in the cpu backend's way
+                    self.decode_step = NativeDecodeStep(self.model)
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
         log.info("model loaded", architecture=arch, dtype=config.dtype, seconds=round(time.perf_counter() - t0, 2))
         elt = torch.tensor([], dtype=self.dtype).element_size()
@@ -107,10 +114,11 @@ class ModelRunner:
         self.reset()
 
     def reset(self) -> None:
-        """Forgets every sequence (a fresh persistent batch and sampling state); weights and KV cache stay.
+        """Forgets every sequence (a new scheduler, i.e. cache epoch, restarts seq ids): a fresh persistent batch and
+        sampling state; weights and KV cache stay.
 
-        NOTE: a step that raised may have left the batch half-updated; rebuilding it is the only reset that cannot
-        leave a poisoned row behind. The worker calls this before serving a new cache epoch."""
+        NOTE: a step that raised may have left the batch half-updated (a row in the batch but not in the sampling
+        state, or the reverse); rebuilding both is the only reset that cannot leave a poisoned row behind."""
         max_rows = self.config.max_num_seqs
         self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, self.config.block_size)
         self.sampling = SamplingBatch(self.info.vocab_size, self.device, max_rows)
@@ -153,7 +161,8 @@ class ModelRunner:
         inputs = self.batch.prepare(seq_ids, list(plan.num_scheduled_tokens.values()))
         meta = self._attention_metadata(inputs)
         self.backend.prepare(meta)
-        hidden = self.model(
+        step = pick_step_function(self.model, self.decode_step, meta)
+        hidden = step(
             torch.from_numpy(inputs.input_ids).to(self.device),
             torch.from_numpy(inputs.positions).to(self.device),
             self.kv_caches,
@@ -178,11 +187,14 @@ class ModelRunner:
         out.logprobs = sampled.logprobs
         return out
 
+    def _forget(self, seq_id: int) -> None:
+        self.batch.remove(seq_id)
+        self.sampling.remove(seq_id)
+        self._prompt_logprob_seqs.discard(seq_id)
+
     def _apply_deltas(self, plan: SchedulerOutput) -> None:
         for seq_id in plan.finished_seq_ids:
-            self.batch.remove(seq_id)
-            self.sampling.remove(seq_id)
-            self._prompt_logprob_seqs.discard(seq_id)
+            self._forget(seq_id)
         for new in plan.new_seqs:
             if new.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprob_seqs.add(new.seq_id)

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from engine_core.core_output import SeqOutput, TokenLogprobs
 from engine_core.detokenizer import IncrementalDetokenizer
-from engine_core.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from engine_core.request import FinishReason
+from engine_core.request_output import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from engine_core.sampling_params import SamplingParams
+from engine_core.seq_output import SeqOutput, TokenLogprobs
 
 
 @dataclass

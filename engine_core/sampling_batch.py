@@ -104,22 +104,6 @@ class SamplingMetadata:
     shared_generator: torch.Generator  # for the unseeded random rows
     max_num_logprobs: int | None  # k = the largest `logprobs` asked by a row; None when no row asked
 
-    @property
-    def no_penalties(self) -> bool:
-        return self.penalties is None
-
-    @property
-    def no_top_k(self) -> bool:
-        return self.top_k is None
-
-    @property
-    def no_top_p(self) -> bool:
-        return self.top_p is None
-
-    @property
-    def no_min_p(self) -> bool:
-        return self.min_p is None
-
 
 @dataclass
 class _SlotInfo:

@@ -26,7 +26,6 @@ class SequenceUpdate:
     seq: Sequence
     new_token_ids: list[int]
     row: int
-    finish_reason: FinishReason | None
 
 
 class Scheduler:
@@ -270,7 +269,7 @@ class Scheduler:
             if seq.request.timings.first_token is None:
                 seq.request.timings.first_token = now
             reason, stop_reason = self._check_stop(seq, token)
-            updates.append(SequenceUpdate(seq, [token], row, reason))
+            updates.append(SequenceUpdate(seq, [token], row))
             if reason is not None:
                 self.finish_seq(seq, reason, stop_reason)
         return updates
@@ -285,8 +284,3 @@ class Scheduler:
         if seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH, None
         return None, None
-
-    # ---- stats --------------------------------------------------------------------------------------------------
-    @property
-    def num_free_blocks(self) -> int:
-        return self.kv.num_free_blocks

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from engine_core import LLM, SamplingParams
 from engine_core.model_files import load_tokenizer
+from engine_core.models.native_decode import NativeDecodeStep
 from tests.hf_reference import hf_greedy
 
 VOCAB = 49152  # SmolLM2's tokenizer is saved beside the tiny weights so text prompts work too
@@ -114,17 +115,17 @@ def test_native_decode_step_matches_the_python_layers(
     path takes them). Qwen2 brings the Q/K/V biases."""
     model_dir = _tiny(kind, tmp_path / kind, smollm2_dir)
     llm = LLM(str(model_dir), kv_cache_memory=0.05, enable_prefix_caching=False)
-    model = llm.core.executor.model
-    if model._native_decode is None:
+    runner = llm.core.executor
+    if not isinstance(runner.decode_step, NativeDecodeStep):
         pytest.skip("native CPU kernels unavailable")
-    model._native_decode.small_m, model._native_decode.large_m = small_m, large_m
+    runner.decode_step.weights.small_m, runner.decode_step.weights.large_m = small_m, large_m
     gen = torch.Generator().manual_seed(3)
     prompts = [
         {"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (3, 40, 1, 17, 9, 5)
     ]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     native = llm.generate(prompts, params, use_tqdm=False)
-    model._native_decode = None
+    runner.decode_step = None  # every step through the model's forward (the layer loop)
     python = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(native, python, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -458,7 +458,7 @@ def test_finish_seq_with_a_stop_string_frees_blocks_and_tells_the_worker() -> No
     h.sched.finish_seq(seq, FinishReason.STOP_STRING, "stop!")
     assert (seq.finish_reason, seq.stop_reason) == (FinishReason.STOP_STRING, "stop!")
     check_invariants(h.sched)
-    assert h.sched.num_free_blocks == 64 and h.sched.requests == {}
+    assert h.sched.kv.num_free_blocks == 64 and h.sched.requests == {}
     plan = h.step()
     assert plan.finished_seq_ids == [seq.seq_id] and plan.is_empty
     assert h.worker.seqs == {}
@@ -477,7 +477,7 @@ def test_abort_frees_everything_at_any_time(n: int, when: int) -> None:
     assert h.sched.abort_request(r1.request_id) is expected
     h.step(before_update=lambda: h.sched.abort_request(r2.request_id))  # abort while the step "runs"
     assert not h.sched.has_unfinished
-    assert h.sched.num_free_blocks == 10 and h.sched.requests == {} and h.sched.seqs == {}
+    assert h.sched.kv.num_free_blocks == 10 and h.sched.requests == {} and h.sched.seqs == {}
     assert all(s.finish_reason in (FinishReason.ABORT, FinishReason.LENGTH) for s in r1.seqs + r2.seqs)
     h.step()
     assert h.worker.seqs == {}
@@ -548,7 +548,7 @@ def test_fork_preempts_later_sequences_for_its_copies_but_never_itself(policy: s
         other = h.add(make_request(list(range(30, 37)), max_tokens=3))
         r = h.add(make_request(list(range(10, 20)), n=2, max_tokens=3))
     h.step()
-    assert h.sched.num_free_blocks == 0
+    assert h.sched.kv.num_free_blocks == 0
     plan = h.step()
     parent, child = r.seqs
     if policy == "priority":

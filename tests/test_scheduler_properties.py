@@ -154,7 +154,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(k=st.integers(1, 4))
     def hog(self, k: int) -> None:
         """Takes up to k free blocks away from the scheduler (forces preemption in a tiny pool)."""
-        self.h.held += self.sched.kv.pool.allocate(min(k, self.sched.num_free_blocks))
+        self.h.held += self.sched.kv.pool.allocate(min(k, self.sched.kv.num_free_blocks))
 
     @precondition(lambda self: self.h.held)
     @rule()
@@ -172,7 +172,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.h.run(max_steps=3000)
         self._prune()
         assert self.live == []
-        assert self.sched.num_free_blocks == self.sched.kv.pool.num_blocks
+        assert self.sched.kv.num_free_blocks == self.sched.kv.pool.num_blocks
         assert self.sched.requests == {} and self.sched.seqs == {}
 
     @invariant()

@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
-from engine_core.models.cpu_linear import LARGE_M, SMALL_M, use_cpu_linears
+from engine_core.models.cpu_linear import use_cpu_linears
 from kernels import cpu as cpu_kernels
 
 
@@ -159,7 +159,6 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, backend.head_dim, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self._native_decode: cpu_kernels.DecodeLayerWeights | None = None  # see use_native_ops
         self.lm_head: nn.Module | None = (
             None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
@@ -174,27 +173,12 @@ class LlamaForCausalLM(nn.Module):
         """Returns the final hidden states `[num_tokens, hidden]` (logits are computed only where needed)."""
         h = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions, h.dtype)
-        t = h.shape[0]
-        if self._native_decode is not None and meta.num_prefills == 0 and t == meta.num_decodes:
-            # A decode-only step: the same layers in one native call (kernels/cpu/decode_step.cpp).
-            cos, sin = cos_sin
-            h, residual = cpu_kernels.decode_layers(
-                h,
-                cos.view(t, -1),
-                sin.view(t, -1),
-                kv_caches,
-                meta.slot_mapping,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-                self._native_decode,
-            )
-        else:
-            residual = None
-            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-                x, residual = layer.input_layernorm(h, residual)
-                h = layer.self_attn(x, cos_sin, kv_cache, meta)
-                x, residual = layer.post_attention_layernorm(h, residual)
-                h = layer.mlp(x)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer.input_layernorm(h, residual)
+            h = layer.self_attn(x, cos_sin, kv_cache, meta)
+            x, residual = layer.post_attention_layernorm(h, residual)
+            h = layer.mlp(x)
         h, _ = self.norm(h, residual)
         return h
 
@@ -215,35 +199,10 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native_ops(self) -> None:
         """CPU float32, after `use_cpu_gemms`: RMSNorm (+ residual add), rotary and SiLU-and-mul run as fused native
-        ops (kernels/cpu), and with the `cpu` attention backend, decode-only steps run all layers in one native
-        call."""
+        ops (kernels/cpu). (A decode-only step in one native call is a step function: models/native_decode.py.)"""
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.native = True
-        attn = [layer.self_attn for layer in self.layers]
-        if attn[0].backend.name != "cpu":
-            return
-        mlp = [layer.mlp for layer in self.layers]
-        projections = [
-            p for a, m in zip(attn, mlp, strict=True) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
-        ]
-        self._native_decode = cpu_kernels.DecodeLayerWeights(
-            norms=[
-                w
-                for layer in self.layers
-                for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            ],
-            weights=[p.weight for p in projections],
-            packed=[p.packed for p in projections],
-            qkv_biases=[a.qkv_proj.bias for a in attn] if self.qkv_bias else [],
-            num_heads=attn[0].num_heads,
-            num_kv_heads=attn[0].num_kv_heads,
-            head_dim=attn[0].head_dim,
-            eps=self.layers[0].input_layernorm.eps,
-            scale=attn[0].backend.scale,
-            small_m=SMALL_M,
-            large_m=LARGE_M,
-        )
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -19,7 +19,7 @@ import grpc
 import structlog
 
 from engine_core.output_processor import OutputProcessor, StopMatch
-from engine_core.outputs import RequestOutput
+from engine_core.request_output import RequestOutput
 from engine_core.sampling_params import with_eos
 from services.common.timeutil import now_ns
 from services.convert.outputs import seq_output_from_proto

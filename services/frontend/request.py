@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from engine_core.output_processor import ChoiceDelta
-from engine_core.outputs import PositionLogprobs, RequestOutput
+from engine_core.request_output import PositionLogprobs, RequestOutput
 from engine_core.sampling_params import SamplingParams
 from services.common.trace import TraceContext
 

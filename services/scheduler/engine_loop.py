@@ -19,9 +19,9 @@ import grpc
 import structlog
 
 from engine_core.config import EngineConfig
-from engine_core.core_output import SeqOutput, ending_outputs
 from engine_core.engine import EngineCore
 from engine_core.request import FinishReason, Request
+from engine_core.seq_output import SeqOutput, ending_outputs
 from engine_core.stats import EngineStats
 from services.common.timeutil import monotonic_to_ns
 from services.scheduler.config import SchedulerConfig

@@ -39,7 +39,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.model_dir: str | None = None
         self.epoch = ""
         self.num_blocks = 0
-        self.rank = 0
         self.next_step = 0
         self.profiled_blocks: int | None = None
         self.last_step_at = time.monotonic()
@@ -105,7 +104,6 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.num_blocks != self.num_blocks:
             runner.init_kv_cache(request.num_blocks)
             self.num_blocks = request.num_blocks
-        self.rank = request.rank
         self.epoch = request.epoch
         self.next_step = 0
 

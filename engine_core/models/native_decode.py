@@ -1,0 +1,67 @@
+"""A step function for decode-only steps on CPU: every layer of the model in one native call.
+
+The model has one forward (the layer loop); how a step runs is the model runner's choice among step functions
+(`engine_core/step_functions.py`). This one chains the same ops in C++ (kernels/cpu/decode_step.cpp) with the same
+GEMM dispatch, so its outputs match the layer loop's; it serves only steps where every row is a decode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_core.attention.backend import AttentionMetadata
+from engine_core.models.cpu_linear import LARGE_M, SMALL_M
+from engine_core.models.llama import LlamaForCausalLM
+from kernels import cpu as cpu_kernels
+
+
+class NativeDecodeStep:
+    """Needs the model after `use_cpu_gemms()` (packed weights) and the `cpu` attention backend's cache layout."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        layers = model.layers
+        attn = [layer.self_attn for layer in layers]
+        mlp = [layer.mlp for layer in layers]
+        projections = [
+            p for a, m in zip(attn, mlp, strict=True) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+        ]
+        self.weights = cpu_kernels.DecodeLayerWeights(
+            norms=[
+                w for layer in layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            ],
+            weights=[p.weight for p in projections],
+            packed=[p.packed for p in projections],
+            qkv_biases=[a.qkv_proj.bias for a in attn] if model.qkv_bias else [],
+            num_heads=attn[0].num_heads,
+            num_kv_heads=attn[0].num_kv_heads,
+            head_dim=attn[0].head_dim,
+            eps=layers[0].input_layernorm.eps,
+            scale=attn[0].backend.scale,
+            small_m=SMALL_M,
+            large_m=LARGE_M,
+        )
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        model = self.model
+        h = model.embed_tokens(input_ids)
+        cos, sin = model.rotary.lookup(positions, h.dtype)
+        t = h.shape[0]
+        h, residual = cpu_kernels.decode_layers(
+            h,
+            cos.view(t, -1),
+            sin.view(t, -1),
+            kv_caches,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            self.weights,
+        )
+        h, _ = model.norm(h, residual)
+        return h

@@ -1,0 +1,57 @@
+"""The worker's persistent batch (InputBatch): rows, step order and per-token inputs, without a model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine_core.input_batch import InputBatch
+from engine_core.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_batch(rows: int = 4) -> InputBatch:
+    return InputBatch(max_rows=rows, max_model_len=32, max_blocks_per_seq=8, block_size=BS)
+
+
+def test_step_puts_decodes_first_longest_context_first_and_maps_slots() -> None:
+    batch = make_batch()
+    params = SamplingParams()
+    batch.add(10, [1, 2, 3, 4, 5, 6], 6, [7, 3], 0, params)  # prefill of 6 tokens over blocks 7, 3
+    batch.add(11, [9, 9, 9], 2, [5], 2, params)  # one decode token at position 2 (context 3)
+    batch.add(12, [8] * 6, 5, [1, 2], 5, params)  # one decode token at position 5 (context 6)
+    inputs = batch.prepare([10, 11, 12], [6, 1, 1])
+    assert inputs.seq_ids == [12, 11, 10] and inputs.num_decodes == 2
+    assert inputs.positions.tolist() == [5, 2, 0, 1, 2, 3, 4, 5]
+    assert inputs.input_ids.tolist() == [8, 9, 1, 2, 3, 4, 5, 6]
+    # slot = block * block_size + offset: seq 12 pos 5 -> block 2, seq 11 pos 2 -> block 5, seq 10 over 7 then 3
+    assert inputs.slot_mapping.tolist() == [2 * BS + 1, 5 * BS + 2, 28, 29, 30, 31, 12, 13]
+    assert inputs.query_start_loc.tolist() == [0, 1, 2, 8] and inputs.sample_mask.tolist() == [True, True, True]
+
+
+def test_advance_appends_sampled_tokens_and_a_partial_prefill_does_not_sample() -> None:
+    batch = make_batch()
+    batch.add(1, [4, 5, 6, 7, 8], 5, [0, 1], 0, SamplingParams())
+    inputs = batch.prepare([1], [3])  # a chunk: 3 of 5 prompt tokens
+    assert inputs.sample_mask.tolist() == [False]
+    batch.advance(inputs, np.array([], dtype=np.int64), np.array([], dtype=np.int64))
+    inputs = batch.prepare([1], [2])
+    assert inputs.positions.tolist() == [3, 4] and inputs.sample_mask.tolist() == [True]
+    batch.advance(inputs, inputs.rows, np.array([42]))
+    inputs = batch.prepare([1], [1])
+    assert inputs.input_ids.tolist() == [42] and inputs.positions.tolist() == [5] and inputs.num_decodes == 1
+
+
+def test_rows_are_reused_and_membership_is_checked() -> None:
+    batch = make_batch(rows=2)
+    batch.add(1, [1], 1, [0], 0, SamplingParams())
+    with pytest.raises(ValueError, match="already"):
+        batch.add(1, [1], 1, [0], 0, SamplingParams())
+    batch.add(2, [1], 1, [1], 0, SamplingParams())
+    with pytest.raises(RuntimeError, match="full"):
+        batch.add(3, [1], 1, [2], 0, SamplingParams())
+    batch.remove(1)
+    batch.remove(1)  # unknown ids are ignored
+    batch.add(3, [1], 1, [2], 0, SamplingParams())
+    assert len(batch) == 2 and batch.row_of[3] not in (batch.row_of[2],)
