@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -120,6 +121,33 @@ def test_non_streaming_http_disconnect_aborts(fcluster: LocalCluster, greedy_tok
         wait_until(lambda: not all_blocks_free(fcluster.scheduler_addr), 60, "the request running")
     # The client is gone: the request is aborted, not run to 800 tokens with nobody reading.
     wait_until(lambda: all_blocks_free(fcluster.scheduler_addr), 30, "the request aborted after the disconnect")
+
+
+def test_request_id_reused_right_after_a_cancel_runs_normally(
+    fcluster: LocalCluster, fclient: GenerationClient, greedy_tokens: list[int]
+) -> None:
+    """The old request's abort (and its late events) must never reach the new request with the same id."""
+    for i in range(5):
+        old = text_request(LONG, max_tokens=300, ignore_eos=True)
+        old.request_id = f"reused-{i}"
+        reader = Reader(fclient, old)
+        assert reader.tokens.wait(120)
+        reader.call.cancel()
+        new = text_request("Count to ten:", max_tokens=6, ignore_eos=True)
+        new.request_id = f"reused-{i}"
+        result = None
+        for _ in range(100):  # the frontend frees the id as soon as the old stream's cancellation is processed
+            try:
+                result = fclient.generate(new)
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.ALREADY_EXISTS, e
+                time.sleep(0.05)
+        assert result is not None, "the id never became free"
+        assert [c.finish_reason for c in result.choices] == ["FINISH_REASON_LENGTH"]
+        assert len(result.choices[0].token_ids) == 6
+        reader.join(30)
+    wait_until(lambda: all_blocks_free(fcluster.scheduler_addr), 30, "every block free")
 
 
 def test_sigstop_worker_mid_stream_is_a_hang_detected_by_the_deadline(
