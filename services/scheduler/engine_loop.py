@@ -83,6 +83,7 @@ class _Stop:
 
 _Command = _Add | _Abort | _FinishChoice | _Stop
 Publish = Callable[[list[RequestEvent]], None]
+Events = dict[Request, RequestEvent]
 
 
 class EngineLoop:
@@ -177,7 +178,7 @@ class EngineLoop:
     def _iteration(self) -> None:
         core = self.core
         assert core is not None
-        events: dict[str, RequestEvent] = {}
+        events: Events = {}
         idle = not core.has_unfinished
         cmds = self._take_commands(block_s=self.config.heartbeat_interval if idle else None)
         for cmd in cmds:
@@ -207,15 +208,15 @@ class EngineLoop:
             self._step_s += time.perf_counter() - t0
             self._worker_s += self.executor.last_worker_s
         for out in outputs:
-            self._event(events, out.request_id).outputs.append(out)
-        for request_id, event in events.items():
-            request = self._requests.get(request_id)
-            if request is None:
-                continue
-            event.request = request
-            if not core.has_request(request_id):
+            owner = self._requests.get(out.request_id)  # NOTE: step outputs belong to the request in the core
+            if owner is not None:
+                self._event(events, owner).outputs.append(out)
+        for request, event in events.items():
+            if self._requests.get(request.request_id) is not request:
+                continue  # ended by a command (abort, error): its event is already final
+            if not core.has_request(request.request_id):
                 event.finished = True
-                del self._requests[request_id]
+                del self._requests[request.request_id]
             t = request.timings
             event.scheduled_ns = monotonic_to_ns(t.first_scheduled)
             event.first_token_ns = monotonic_to_ns(t.first_token)
@@ -223,7 +224,7 @@ class EngineLoop:
         self._flush(events)
         self._publish_stats()
 
-    def _flush(self, events: dict[str, RequestEvent]) -> None:
+    def _flush(self, events: Events) -> None:
         if events:
             self.publish(list(events.values()))
 
@@ -247,7 +248,7 @@ class EngineLoop:
             except queue.Empty:
                 return cmds
 
-    def _apply_isolated(self, core: EngineCore, cmd: _Command, events: dict[str, RequestEvent]) -> None:
+    def _apply_isolated(self, core: EngineCore, cmd: _Command, events: Events) -> None:
         """Applies one command; if handling it raises, only its request fails (INTERNAL), never the loop."""
         try:
             self._apply(core, cmd, events)
@@ -261,7 +262,7 @@ class EngineLoop:
                     core.abort(request.request_id)
             self._fail(request, f"failed while handling the request: {type(e).__name__}: {e}", "INTERNAL", events)
 
-    def _apply(self, core: EngineCore, cmd: _Command, events: dict[str, RequestEvent]) -> None:
+    def _apply(self, core: EngineCore, cmd: _Command, events: Events) -> None:
         if isinstance(cmd, _Stop):
             self._stopping = True
         elif isinstance(cmd, _Add):
@@ -278,33 +279,35 @@ class EngineLoop:
                 self._end(request, core.abort(request.request_id), events)
         elif isinstance(cmd, _FinishChoice) and self._requests.get(cmd.request.request_id) is cmd.request:
             outs = core.finish_choice(cmd.request.request_id, cmd.index, FinishReason.STOP_STRING, cmd.stop)
-            self._event(events, cmd.request.request_id, cmd.request).outputs.extend(outs)
+            self._event(events, cmd.request).outputs.extend(outs)
 
-    def _end(self, request: Request, outputs: list[SeqOutput], events: dict[str, RequestEvent]) -> None:
+    def _end(self, request: Request, outputs: list[SeqOutput], events: Events) -> None:
         """Reports a request that ended outside a step (abort, error) with its last outputs."""
-        event = self._event(events, request.request_id, request)
+        event = self._event(events, request)
         event.outputs.extend(outputs)
         event.finished = True
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
 
-    def _fail(self, request: Request, error: str, code: str, events: dict[str, RequestEvent]) -> None:
-        event = self._event(events, request.request_id, request)
+    def _fail(self, request: Request, error: str, code: str, events: Events) -> None:
+        event = self._event(events, request)
         event.error, event.error_code = error, code
         # NOTE: the core may be broken (a worker failed mid-step): the outputs come from the request alone.
         self._end(request, ending_outputs(request, FinishReason.ERROR), events)
 
-    def _event(self, events: dict[str, RequestEvent], request_id: str, request: Request | None = None) -> RequestEvent:
-        event = events.get(request_id)
+    @staticmethod
+    def _event(events: Events, request: Request) -> RequestEvent:
+        """The event of this request object. NOTE: keyed by object, not id: an aborted request and a new one that
+        reuses its id in the same iteration get separate events (one ABORT, one running)."""
+        event = events.get(request)
         if event is None:
-            event = events[request_id] = RequestEvent(request_id)
-        event.request = request or event.request
+            event = events[request] = RequestEvent(request.request_id, request=request)
         return event
 
     def _fail_all(self, error: str, code: str = "INTERNAL", keep_unscheduled: bool = False) -> list[Request]:
         """Fails every request in flight; with `keep_unscheduled`, those never scheduled are returned instead (a
         worker failure did not touch them: they run on the next engine)."""
-        events: dict[str, RequestEvent] = {}
+        events: Events = {}
         kept: list[Request] = []
         for request in list(self._requests.values()):
             if keep_unscheduled and request.timings.first_scheduled is None:
@@ -332,7 +335,7 @@ class EngineLoop:
             for request in kept:
                 self._fail(request, error, code, {})
             return
-        events: dict[str, RequestEvent] = {}
+        events: Events = {}
         for request in kept:
             # NOTE: a fresh engine: the request's seqs belonged to the old one (never scheduled, so no state lost).
             request.seqs = []
