@@ -66,6 +66,7 @@ class Service:
     process: subprocess.Popen[bytes]
     log: IO[bytes] | None
     argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     restarts: int = 0
     # Every distinct health status seen while waiting (None = unreachable), in order.
     observed: list[int | None] = field(default_factory=list)
@@ -88,19 +89,38 @@ class LocalCluster:
     def scheduler_addr(self) -> str:
         return f"127.0.0.1:{self.config.scheduler_port}"
 
-    def _spawn(self, name: str, module: str, args: list[str], addr: str, health_service: str) -> Service:
+    def spawn(
+        self, name: str, module: str, args: list[str], addr: str, health_service: str, env: dict[str, str]
+    ) -> Service:
+        """One more process (`python -m module *args`, environment updated with `env`), waited on and stopped with
+        the others; e.g. a service with the exact arguments a Kubernetes manifest gives it."""
+        return self._spawn(name, module, args, addr, health_service, env)
+
+    def _spawn(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        addr: str,
+        health_service: str,
+        extra_env: dict[str, str] | None = None,
+    ) -> Service:
         argv = [sys.executable, "-m", module, *args, *self.config.tls_args()]
-        service = Service(name, addr, health_service, *self._popen(name, argv, "wb"), argv=argv)
+        env = dict(extra_env or {})
+        service = Service(name, addr, health_service, *self._popen(name, argv, env, "wb"), argv=argv, env=env)
         self.services.append(service)
         return service
 
-    def _popen(self, name: str, argv: list[str], mode: str) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
+    def _popen(
+        self, name: str, argv: list[str], extra_env: dict[str, str], mode: str
+    ) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
         log: IO[bytes] | None = None
         if self.config.log_dir is not None:
             Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
             log = open(Path(self.config.log_dir) / f"{name}.log", mode)  # noqa: SIM115 - lives as long as the child
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(extra_env)
         return subprocess.Popen(argv, stdout=log, stderr=log, env=env), log
 
     def restart(self, name: str) -> Service:
@@ -110,7 +130,7 @@ class LocalCluster:
             raise RuntimeError(f"{name} is still running")
         if service.log is not None:
             service.log.close()
-        service.process, service.log = self._popen(name, service.argv, "ab")
+        service.process, service.log = self._popen(name, service.argv, service.env, "ab")
         service.restarts += 1
         return service
 
