@@ -112,10 +112,18 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.last_timings = StepTimings()  # of the latest execute(); read by the worker service for its spans
-        max_rows = config.max_num_seqs
         self.max_blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
-        self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, config.block_size)
-        self.sampling = SamplingBatch(hf.vocab_size, self.device, max_rows)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forgets every sequence (a new scheduler, i.e. cache epoch, restarts seq ids): a fresh persistent batch and
+        sampling state; weights and KV cache stay.
+
+        NOTE: a step that raised may have left the batch half-updated (a row in the batch but not in the sampling
+        state, or the reverse); rebuilding both is the only reset that cannot leave a poisoned row behind."""
+        max_rows = self.config.max_num_seqs
+        self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, self.config.block_size)
+        self.sampling = SamplingBatch(self.info.vocab_size, self.device, max_rows)
         self._prompt_logprob_seqs: set[int] = set()
 
     # ---- KV cache -------------------------------------------------------------------------------------------
@@ -190,11 +198,6 @@ class ModelRunner:
         out.sampled_token_ids = tokens_np.tolist()
         out.logprobs = sampled.logprobs
         return out
-
-    def reset(self) -> None:
-        """Forgets every sequence of the persistent batch (a new scheduler, i.e. cache epoch, restarts seq ids)."""
-        for seq_id in list(self.batch.row_of):
-            self._forget(seq_id)
 
     def _forget(self, seq_id: int) -> None:
         self.batch.remove(seq_id)

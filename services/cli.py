@@ -112,9 +112,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             stream_generation(cluster.frontend_addr, args)
         print("\nserving until Ctrl-C", file=sys.stderr)
         while not stop.wait(0.5):
-            dead = [s.name for s in cluster.services if s.process.poll() is not None]
-            if dead:
-                print(f"{', '.join(dead)} exited: shutting down", file=sys.stderr)
+            dead = [s for s in cluster.services if s.process.poll() is not None]
+            for s in [s for s in dead if s.name.startswith("worker")]:
+                # NOTE: as Kubernetes restarts a dead pod: the scheduler fails the worker's requests with
+                # UNAVAILABLE, waits for it, re-initializes its cache and resumes serving.
+                print(f"{s.name} exited with code {s.process.returncode}: restarting it", file=sys.stderr)
+                cluster.restart(s.name)
+            others = [s.name for s in dead if not s.name.startswith("worker")]
+            if others:
+                print(f"{', '.join(others)} exited: shutting down", file=sys.stderr)
                 return 1
     except KeyboardInterrupt:
         pass

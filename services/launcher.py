@@ -18,6 +18,7 @@ from typing import IO
 
 from services.common.engine_flags import field_default
 from services.common.health import NOT_SERVING, SERVING, check
+from services.common.tls import TlsFiles
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 
 
@@ -48,6 +49,18 @@ class LaunchConfig:
     otlp_traces_endpoint: str | None = None  # None: the OTEL_* variables (inherited by every service) decide
     collect_detailed_traces: bool = False
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment for every service
+    tls: TlsFiles = field(default_factory=TlsFiles)  # the same files for every service (one test CA)
+
+    def tls_args(self) -> list[str]:
+        out: list[str] = []
+        for flag, path in (
+            ("--tls-cert-file", self.tls.cert_file),
+            ("--tls-key-file", self.tls.key_file),
+            ("--tls-ca-file", self.tls.ca_file),
+        ):
+            if path is not None:
+                out += [flag, path]
+        return out
 
 
 @dataclass
@@ -57,6 +70,9 @@ class Service:
     health_service: str
     process: subprocess.Popen[bytes]
     log: IO[bytes] | None
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    restarts: int = 0
     # Every distinct health status seen while waiting (None = unreachable), in order.
     observed: list[int | None] = field(default_factory=list)
 
@@ -94,16 +110,33 @@ class LocalCluster:
         health_service: str,
         extra_env: dict[str, str] | None = None,
     ) -> Service:
+        argv = [sys.executable, "-m", module, *args, *self.config.tls_args()]
+        env = dict(extra_env or {})
+        service = Service(name, addr, health_service, *self._popen(name, argv, env, "wb"), argv=argv, env=env)
+        self.services.append(service)
+        return service
+
+    def _popen(
+        self, name: str, argv: list[str], extra_env: dict[str, str], mode: str
+    ) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
         log: IO[bytes] | None = None
         if self.config.log_dir is not None:
             Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
-            log = open(Path(self.config.log_dir) / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
+            log = open(Path(self.config.log_dir) / f"{name}.log", mode)  # noqa: SIM115 - lives as long as the child
         env = dict(os.environ) | self.config.env
         env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(extra_env or {})
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=log, env=env)
-        service = Service(name, addr, health_service, proc, log)
-        self.services.append(service)
+        env.update(extra_env)
+        return subprocess.Popen(argv, stdout=log, stderr=log, env=env), log
+
+    def restart(self, name: str) -> Service:
+        """Starts a service that exited again, with the same arguments (what Kubernetes does for a dead pod)."""
+        service = self.service(name)
+        if service.process.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        if service.log is not None:
+            service.log.close()
+        service.process, service.log = self._popen(name, service.argv, service.env, "ab")
+        service.restarts += 1
         return service
 
     def _tracing_args(self) -> list[str]:
@@ -124,14 +157,15 @@ class LocalCluster:
         threads = ["--num-threads", str(c.num_threads)] if c.num_threads else []
         tracing = self._tracing_args()
         for rank, port in enumerate(c.worker_ports):
-            args = ["--host", "127.0.0.1", "--worker-port", str(port), *model, "--dtype", c.dtype]
+            # NOTE: no --host: internal services bind to their default, loopback (the security tests check it).
+            args = ["--worker-port", str(port), *model, "--dtype", c.dtype]
             args += ["--metrics-port", str(self.metrics_port(f"worker{rank}")), *tracing]
             args += ["--kv-cache-memory", str(c.kv_cache_memory), "--max-num-seqs", str(c.max_num_seqs), *threads]
             self._spawn(
                 f"worker{rank}", "services.worker", args + c.extra_worker_args, f"127.0.0.1:{port}", WORKER_SERVICE
             )
         workers = ",".join(f"127.0.0.1:{p}" for p in c.worker_ports)
-        args = ["--host", "127.0.0.1", "--scheduler-port", str(c.scheduler_port), "--worker-addrs", workers]
+        args = ["--scheduler-port", str(c.scheduler_port), "--worker-addrs", workers]
         args += ["--max-num-seqs", str(c.max_num_seqs), "--metrics-port", str(self.metrics_port("scheduler")), *tracing]
         self._spawn(
             "scheduler", "services.scheduler", args + c.extra_scheduler_args, self.scheduler_addr, SCHEDULER_SERVICE
@@ -151,7 +185,7 @@ class LocalCluster:
                 code = service.process.poll()
                 if code is not None:
                     raise RuntimeError(f"{service.name} exited with code {code} before becoming healthy")
-                status = check(service.addr, service.health_service, timeout=0.5)
+                status = check(service.addr, service.health_service, timeout=0.5, tls=self.config.tls)
                 if not service.observed or service.observed[-1] != status:
                     service.observed.append(status)
                 if status == SERVING:

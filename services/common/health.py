@@ -9,6 +9,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from services.common.tls import TlsFiles, sync_channel
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 HEALTH_SERVICE = "grpc.health.v1.Health"
@@ -50,9 +52,9 @@ class ServiceHealth:
         self.draining = True
 
 
-def check(addr: str, service: str = "", timeout: float = 1.0) -> int | None:
+def check(addr: str, service: str = "", timeout: float = 1.0, tls: TlsFiles | None = None) -> int | None:
     """One health check: the status, or None when the server cannot be reached."""
-    with grpc.insecure_channel(addr) as channel:
+    with sync_channel(addr, tls or TlsFiles(), []) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -62,11 +64,13 @@ def check(addr: str, service: str = "", timeout: float = 1.0) -> int | None:
         return resp.status
 
 
-def wait_serving(addr: str, service: str = "", timeout: float = 300.0, interval: float = 0.1) -> None:
+def wait_serving(
+    addr: str, service: str = "", timeout: float = 300.0, interval: float = 0.1, tls: TlsFiles | None = None
+) -> None:
     """Blocks until `addr` reports SERVING; TimeoutError after `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if check(addr, service, timeout=min(1.0, max(0.05, deadline - time.monotonic()))) == SERVING:
+        if check(addr, service, timeout=min(1.0, max(0.05, deadline - time.monotonic())), tls=tls) == SERVING:
             return
         time.sleep(interval)
     raise TimeoutError(f"{addr} did not report SERVING within {timeout:.0f} s")

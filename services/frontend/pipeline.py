@@ -12,6 +12,8 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -26,6 +28,7 @@ from services.common.timeutil import now_ns
 from services.common.trace import TraceContext
 from services.convert.outputs import seq_output_from_proto
 from services.convert.params import params_to_proto
+from services.frontend.limits import ApiLimits
 from services.frontend.metrics import RequestMetrics
 from services.frontend.request import (
     ErrorCode,
@@ -33,6 +36,7 @@ from services.frontend.request import (
     GenerateInput,
     ModelDescription,
     PreparedRequest,
+    PromptInput,
     RequestError,
     StreamEvent,
     Timings,
@@ -45,7 +49,16 @@ from services.rpc import common_pb2, scheduler_pb2
 
 log = structlog.get_logger(__name__)
 
-MAX_REQUEST_ID_LEN = 256
+
+@dataclass(frozen=True)
+class AdmissionPolicy:
+    """What the operator decides about every request (flags of the frontend)."""
+
+    max_inflight: int = 4096
+    limits: ApiLimits = field(default_factory=ApiLimits)
+    enable_client_priority: bool = False
+    prefix_cache_isolation: str = "none"  # "api-key": the tenant salts the prefix cache
+    tokenizer_threads: int = 1
 
 
 class RequestPipeline:
@@ -54,36 +67,53 @@ class RequestPipeline:
         tokenizer: PromptTokenizer,
         client: SchedulerClient,
         model: ModelDescription,
-        max_inflight: int,
+        policy: AdmissionPolicy,
         metrics: RequestMetrics | None = None,
         telemetry: Telemetry | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.client = client
         self.model = model
-        self.max_inflight = max_inflight
+        self.policy = policy
+        self.limits = policy.limits
         self.metrics = metrics
         self.telemetry = telemetry
         self.processor = OutputProcessor(tokenizer.tokenizer)
         self.active: set[str] = set()
         self.draining = False
         self._background: set[asyncio.Task[None]] = set()
+        # NOTE: tokenization and chat templates take milliseconds to seconds for long prompts: off the event loop,
+        # so other streams and health checks keep flowing. One thread by default: HF tokenizers are not safe to
+        # call concurrently from several threads ("Already borrowed").
+        self._tokenize_pool = ThreadPoolExecutor(policy.tokenizer_threads, thread_name_prefix="tokenize")
 
     # ---- admission ----------------------------------------------------------------------------------------------
-    def prepare(self, inp: GenerateInput) -> PreparedRequest:
-        """Validates and tokenizes; raises RequestError before anything is sent to the scheduler."""
-        arrival_ns, arrival_mono = now_ns(), time.monotonic()
+    def check_admission(self) -> None:
         if self.draining:
             raise RequestError(ErrorCode.UNAVAILABLE, "the frontend is shutting down: retry on another replica")
-        if len(self.active) >= self.max_inflight:
+        if len(self.active) >= self.policy.max_inflight:
             raise RequestError(
                 ErrorCode.RESOURCE_EXHAUSTED, f"too many requests in flight ({len(self.active)}): retry later"
             )
+
+    def check(self, inp: GenerateInput) -> str:
+        """Cheap checks before any tokenization (sizes, ranges, id); returns the request id."""
+        self.check_admission()
         request_id = inp.request_id or uuid.uuid4().hex
-        if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
-            raise RequestError.invalid(f"request_id must be printable and at most {MAX_REQUEST_ID_LEN} characters")
+        self.limits.check_request_id(request_id)
+        self.limits.check_input(inp)
         if request_id in self.active:
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in use", "request_id")
+        return request_id
+
+    async def encode(self, inp: PromptInput, check_length: bool = True) -> tuple[str | None, list[int]]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.encode, inp, check_length)
+
+    async def prepare(self, inp: GenerateInput) -> PreparedRequest:
+        """Validates and tokenizes; raises RequestError before anything is sent to the scheduler."""
+        arrival_ns, arrival_mono = now_ns(), time.monotonic()
+        request_id = self.check(inp)
         span = None
         if self.telemetry is not None:
             op = operation_name(inp.prompt.messages is not None)
@@ -91,11 +121,11 @@ class RequestPipeline:
             span = RequestSpan(self.telemetry.tracer, f"{op} {self.model.name}", attrs)
         try:
             if span is None:
-                text, ids = self.tokenizer.encode(inp.prompt)
+                text, ids = await self.encode(inp.prompt)
             else:
                 tokenize = span.tokenize_span()
                 try:
-                    text, ids = self.tokenizer.encode(inp.prompt)
+                    text, ids = await self.encode(inp.prompt)
                 finally:
                     tokenize.end()
             try:
@@ -111,23 +141,32 @@ class RequestPipeline:
             prompt_text=text,
             prompt_token_ids=ids,
             params=params,
-            priority=inp.priority,
-            cache_salt=inp.cache_salt,
+            priority=inp.priority if self.policy.enable_client_priority else 0,
+            cache_salt=self._cache_salt(inp),
             trace=inp.trace,
             arrival_ns=arrival_ns,
             arrival_monotonic=arrival_mono,
             span=span,
+            tenant=inp.tenant,
         )
+
+    def _cache_salt(self, inp: GenerateInput) -> str | None:
+        if self.policy.prefix_cache_isolation != "api-key":
+            return inp.cache_salt
+        # NOTE: the tenant always salts (so tenants never share entries); the client's salt only narrows further.
+        return inp.tenant + ("/" + inp.cache_salt if inp.cache_salt else "")
 
     def _submit_message(self, req: PreparedRequest, trace: TraceContext) -> scheduler_pb2.SubmitRequest:
         return scheduler_pb2.SubmitRequest(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            sampling=params_to_proto(req.params),
+            # NOTE: stop strings stay here: the frontend matches them; the scheduler and workers see token ids only.
+            sampling=params_to_proto(req.params, with_stop_strings=False),
             priority=req.priority,
             cache_salt=req.cache_salt or "",
             trace=trace.to_proto(),
             timestamps=common_pb2.RequestTimestamps(arrival_ns=req.arrival_ns),
+            owner=req.tenant,
         )
 
     # ---- streaming ----------------------------------------------------------------------------------------------
@@ -141,17 +180,9 @@ class RequestPipeline:
                 req.span.finish(rid, None, len(req.prompt_token_ids), err.code.value, err.message)
             raise err
         self.active.add(rid)
-        self.processor.add_request(rid, req.prompt_text, req.prompt_token_ids, req.params, req.arrival_monotonic)
-        output = self.processor.requests[rid].output
+        call: grpc.aio.UnaryStreamCall | None = None
+        output: RequestOutput | None = None
         span = req.span
-        if span is None:
-            # NOTE: tracing off: the client's context travels on unchanged (as message field and metadata).
-            call = self.client.submit(self._submit_message(req, req.trace), req.trace.metadata())
-        else:
-            # NOTE: the scheduler's parent is this frontend's request span (the client span of the call, which the
-            # interceptor injects as metadata, is its child), never the client's header unchanged.
-            with otel_trace.use_span(span.span, end_on_exit=False):
-                call = self.client.submit(self._submit_message(req, TraceContext.of_span(span.span)), ())
         done = False
         first = True
         first_token_ns = scheduled_ns = last_token_ns = 0
@@ -159,7 +190,18 @@ class RequestPipeline:
         plp_sent = 0
         error = ""
         error_type: str | None = None
+        # NOTE: everything after taking the slot is inside the try: every failure path releases it.
         try:
+            self.processor.add_request(rid, req.prompt_text, req.prompt_token_ids, req.params, req.arrival_monotonic)
+            output = self.processor.requests[rid].output
+            if span is None:
+                # NOTE: tracing off: the client's context travels on unchanged (as message field and metadata).
+                call = self.client.submit(self._submit_message(req, req.trace), req.trace.metadata())
+            else:
+                # NOTE: the scheduler's parent is this frontend's request span (the client span of the call, which
+                # the interceptor injects as metadata, is its child), never the client's header unchanged.
+                with otel_trace.use_span(span.span, end_on_exit=False):
+                    call = self.client.submit(self._submit_message(req, TraceContext.of_span(span.span)), ())
             async for msg in call:
                 t0 = span.detokenize_begin() if span is not None else 0.0
                 step = self.processor.process([seq_output_from_proto(rid, o) for o in msg.outputs])
@@ -214,7 +256,7 @@ class RequestPipeline:
             raise
         finally:
             self.active.discard(rid)
-            if not done:
+            if not done and rid in self.processor.requests:
                 self.processor.abort(rid)
                 error_type = error_type or "cancelled"
                 # NOTE: the one `request finished` line of a request that ended without its final message.
@@ -223,7 +265,8 @@ class RequestPipeline:
                 span.finish(rid, output, len(req.prompt_token_ids), error_type, error)
             # NOTE: a no-op after a normal end; otherwise (client gone, stop strings ended every choice) the
             # cancellation reaches the scheduler as an abort.
-            call.cancel()
+            if call is not None:
+                call.cancel()
 
     def _finish_choice(self, stop: StopMatch, req: PreparedRequest) -> None:
         async def send() -> None:
@@ -277,12 +320,13 @@ class RequestPipeline:
         return FinalInfo(output, usage, timings, error)
 
     async def generate(self, inp: GenerateInput) -> AsyncIterator[StreamEvent]:
-        async for event in self.stream(self.prepare(inp)):
+        async for event in self.stream(await self.prepare(inp)):
             yield event
 
-    async def abort(self, request_id: str) -> bool:
-        """Aborts a request of any frontend (the scheduler ends its stream with ABORT)."""
+    async def abort(self, request_id: str, tenant: str) -> bool:
+        """Aborts a request of any frontend, if `tenant` submitted it (the scheduler ends its stream with ABORT);
+        another tenant's request answers found=False, as if it did not exist."""
         try:
-            return await self.client.abort(request_id)
+            return await self.client.abort(request_id, tenant)
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e) from e

@@ -26,6 +26,7 @@ class ErrorCode(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     CANCELLED = "CANCELLED"
     INTERNAL = "INTERNAL"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
 
 
 class RequestError(Exception):
@@ -69,6 +70,7 @@ class GenerateInput:
     cache_salt: str | None = None
     trace: TraceContext = field(default_factory=TraceContext)
     stream: bool = True  # the caller streams (for the trace; the pipeline streams either way)
+    tenant: str = ""  # who submitted it (services.frontend.auth): owns it for Abort, may salt the prefix cache
 
 
 @dataclass
@@ -85,6 +87,7 @@ class PreparedRequest:
     arrival_ns: int
     arrival_monotonic: float
     span: RequestSpan | None = None  # only when tracing is on
+    tenant: str = ""
 
 
 @dataclass

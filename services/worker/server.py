@@ -23,6 +23,7 @@ from services.common.logs import configure_logging
 from services.common.metrics import serve_metrics
 from services.common.signals import ignore_late_signals, shutdown_event
 from services.common.telemetry import Telemetry, setup_tracing
+from services.common.tls import add_port
 from services.convert.plan import plan_from_proto, result_to_proto
 from services.rpc import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from services.worker.config import WorkerConfig, parse_worker_args
@@ -49,6 +50,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.num_blocks = 0
         self.rank = 0  # from InitCache: an attribute of this worker's Execute spans
         self.next_step = 0
+        self.profiled_blocks: int | None = None
         self.last_step_at = time.monotonic()
         # NOTE: one thread owns the runner: steps are strictly ordered and torch runs outside the event loop.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
@@ -74,11 +76,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_model_len=runner.max_model_len,
             block_size=engine.block_size,
             max_num_seqs=engine.max_num_seqs,
-            num_kv_blocks=runner.profile_num_blocks(),
+            num_kv_blocks=self._profile(runner),
             block_bytes=info.block_bytes,
             device=engine.device,
             dtype=engine.dtype,
         )
+
+    def _profile(self, runner: ModelRunner) -> int:
+        """Blocks that fit, measured once. NOTE: re-measured with the cache allocated, free GPU memory would omit
+        the cache itself and the cache would shrink at every re-initialization."""
+        if self.profiled_blocks is None or not self.num_blocks:
+            self.profiled_blocks = runner.profile_num_blocks()
+        return self.profiled_blocks
+
+    async def Heartbeat(
+        self, request: worker_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.HeartbeatResponse:
+        return worker_pb2.HeartbeatResponse(epoch=self.epoch, next_step=self.next_step)
 
     async def InitCache(
         self, request: worker_pb2.InitCacheRequest, context: grpc.aio.ServicerContext
@@ -94,7 +108,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _init_cache(self, request: worker_pb2.InitCacheRequest) -> None:
         runner = self.runner
         assert runner is not None
-        runner.reset()  # NOTE: a new scheduler (epoch) restarts sequence ids: forget every sequence of the last one
+        # NOTE: a new epoch (a new scheduler, or recovery after a failed step) restarts sequence ids: forget every
+        # sequence of the previous one, including any row a failed step left half-added.
+        runner.reset()
         if request.num_blocks != self.num_blocks:
             runner.init_kv_cache(request.num_blocks)
             self.num_blocks = request.num_blocks
@@ -151,7 +167,7 @@ async def serve(config: WorkerConfig, telemetry: Telemetry | None = None) -> Non
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = ServiceHealth(server, [WORKER_SERVICE])
     await health.set_serving(False)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
     await server.start()
     log.info("worker listening", addr=f"{config.host}:{port}")
     stop = shutdown_event()

@@ -24,21 +24,6 @@ PARSERS: dict[str, Callable[[list[str]], Any]] = {
 # Read by the processes directly, not through a flag.
 DIRECT_ENV = {"PAGODA_CACHE"}
 
-# Contract flags (coord/PLAN.md) that other branches add: the chart renders them, this branch's parsers lack them.
-# test_pending_flags_are_still_missing fails as soon as one exists: then delete it here (and the list, when empty).
-PENDING: dict[str, set[str]] = {
-    "frontend": {
-        "--tls-cert-file",
-        "--tls-key-file",
-        "--tls-ca-file",
-        "--api-keys-file",
-        "--enable-client-priority",
-        "--prefix-cache-isolation",
-    },
-    "scheduler": {"--tls-cert-file", "--tls-key-file", "--tls-ca-file"},
-    "worker": {"--tls-cert-file", "--tls-key-file", "--tls-ca-file"},
-}
-
 
 @cache
 def service_flags(component: str) -> frozenset[str]:
@@ -114,7 +99,6 @@ def parse_container(rendered: Any, component: str, container: dict[str, Any]) ->
     for name in env:
         if name.startswith("PAGODA_") and name not in DIRECT_ENV:
             assert any(env_name(f) == name for f in flags), f"{component}: {name} is no flag's variable"
-    args = [a for a in args if a.partition("=")[0] not in PENDING[component]]
     with environment(env):
         try:
             return PARSERS[component](args)

@@ -271,17 +271,6 @@ def test_schema_rejects_bad_values(bad: str) -> None:
     assert "values don't meet the specifications of the schema" in out.stderr, out.stderr
 
 
-def test_pending_flags_are_still_missing() -> None:
-    """Remove a flag from pagoda_args.PENDING once its branch landed: then the parser checks it too."""
-    from tests.deploy.pagoda_args import PENDING, service_flags
-
-    for component, pending in PENDING.items():
-        landed = pending & service_flags(component)
-        assert not landed, (
-            f"{component} now has {sorted(landed)}: delete them from PENDING in tests/deploy/pagoda_args.py"
-        )
-
-
 def test_two_autoscalers_on_the_frontends_are_refused() -> None:
     out = helm_template("--set", "keda.enabled=true", "--set", "frontend.autoscaling.enabled=true")
     assert out.returncode != 0 and "enable one" in out.stderr, out.stderr

@@ -15,7 +15,7 @@ from services.launcher import LaunchConfig, LocalCluster, free_port
 from services.rpc import common_pb2
 from tests.conftest import CACHE_DIR
 from tests.deploy.conftest import Rendered, helm_template
-from tests.deploy.pagoda_args import PENDING, container_env, pagoda_containers, service_args
+from tests.deploy.pagoda_args import container_env, pagoda_containers, service_args
 
 pytestmark = pytest.mark.slow
 
@@ -35,8 +35,6 @@ def _localize(args: list[str], ports: dict[tuple[str, str], int], addrs: dict[st
     out = []
     for arg in args:
         flag, _, value = arg.partition("=")
-        if flag in PENDING[component]:
-            continue  # not on this branch yet (see pagoda_args.PENDING)
         if flag == "--host":
             value = "127.0.0.1"
         elif flag in PORT_FLAGS:
