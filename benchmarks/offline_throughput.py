@@ -14,34 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from workload import Workload, batch1_prompt, make_workload
 
 RESULTS = Path(__file__).parent / "results" / "offline_throughput.jsonl"
-
-
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def total_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts) + sum(self.output_lens)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
-
-
-def make_workload(n: int, seed: int, vocab: int, in_range: tuple[int, int], out_range: tuple[int, int]) -> Workload:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(*in_range))] for _ in range(n)]
-    return Workload(prompts, [rng.randint(*out_range) for _ in range(n)])
 
 
 @dataclass
@@ -83,7 +63,7 @@ def pagoda_batch1(llm: object, args: argparse.Namespace) -> float:
     from engine_core.request import Request
 
     core = llm.core  # type: ignore[attr-defined]
-    prompt = [random.Random(7).randrange(1000, 20000) for _ in range(args.batch1_prompt)]
+    prompt = batch1_prompt(args.batch1_prompt)
     params = SamplingParams(temperature=0, max_tokens=args.batch1_tokens, ignore_eos=True)
     core.add_request(Request("batch1", prompt, params))
     core.step()  # prefill + first token
@@ -95,21 +75,19 @@ def pagoda_batch1(llm: object, args: argparse.Namespace) -> float:
     return (time.perf_counter() - t0) / steps * 1000
 
 
-def run_hf(wl: Workload, args: argparse.Namespace, model_dir: str) -> Result:
-    from transformers import AutoModelForCausalLM
-
-    device = torch.device(args.device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device).eval()
+def hf_static_generate(model: object, prompts: list[list[int]], output_lens: list[int], batch: int) -> int:
+    """transformers `generate` in static batches (left-padded; each batch runs to its longest output, only the
+    requested tokens are counted); returns the number of requested output tokens."""
     pad = 0
-    t0 = time.perf_counter()
-    for start in range(0, len(wl.prompts), args.hf_batch):
-        batch = wl.prompts[start : start + args.hf_batch]
-        new = max(wl.output_lens[start : start + args.hf_batch])
-        width = max(len(p) for p in batch)
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start : start + batch]
+        new = max(output_lens[start : start + batch])
+        width = max(len(p) for p in chunk)
+        device = model.device  # type: ignore[attr-defined]
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
         with torch.no_grad():
-            model.generate(
+            model.generate(  # type: ignore[attr-defined]
                 input_ids=ids,
                 attention_mask=mask,
                 max_new_tokens=new,
@@ -117,9 +95,20 @@ def run_hf(wl: Workload, args: argparse.Namespace, model_dir: str) -> Result:
                 do_sample=False,
                 pad_token_id=pad,
             )
+    return sum(output_lens)
+
+
+def run_hf(wl: Workload, args: argparse.Namespace, model_dir: str) -> Result:
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).to(device).eval()
+    pad = 0
+    t0 = time.perf_counter()
+    hf_static_generate(model, wl.prompts, wl.output_lens, args.hf_batch)
     dt = time.perf_counter() - t0
     res = Result("transformers", dt, wl.total_tokens / dt, wl.output_tokens / dt)
-    prompt = torch.tensor([[random.Random(7).randrange(1000, 20000) for _ in range(args.batch1_prompt)]], device=device)
+    prompt = torch.tensor([batch1_prompt(args.batch1_prompt)], device=device)
     with torch.no_grad():
         t0 = time.perf_counter()
         model.generate(input_ids=prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=pad)
@@ -153,7 +142,7 @@ def main() -> None:
     from engine_core.model_files import resolve_model_dir
 
     model_dir = resolve_model_dir(args.model, EngineConfig().cache_dir)
-    wl = make_workload(args.num_requests, args.seed, 49152, (64, 512), (32, 256))
+    wl = make_workload(args.num_requests, args.seed)
     results = [run_pagoda(wl, args)[0]]
     if not args.skip_hf:
         results.append(run_hf(wl, args, model_dir))

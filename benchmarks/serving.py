@@ -179,15 +179,18 @@ async def _one(backend: Backend, prompt: list[int], max_tokens: int) -> Record:
 
 
 async def run_concurrency(
-    backend: Backend, prompts: list[list[int]], c: int, max_tokens: int, max_s: float
+    backend: Backend, prompts: list[list[int]], c: int, max_tokens: int | list[int], max_s: float
 ) -> tuple[list[Record], float]:
-    todo = list(prompts)
+    """`c` closed-loop users share the prompts; `max_tokens` is one length for all or one per prompt."""
+    lens = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    todo = list(zip(prompts, lens, strict=True))
     records: list[Record] = []
     t0 = time.perf_counter()
 
     async def user() -> None:
         while todo and time.perf_counter() - t0 < max_s:
-            records.append(await _one(backend, todo.pop(), max_tokens))
+            prompt, n = todo.pop()
+            records.append(await _one(backend, prompt, n))
 
     await asyncio.gather(*(user() for _ in range(c)))
     return records, time.perf_counter() - t0
@@ -322,6 +325,7 @@ async def main_async(args: argparse.Namespace) -> list[LevelResult]:
         num_threads=args.threads,
         max_num_seqs=args.max_num_seqs,
         log_dir=tempfile.mkdtemp(prefix="pagoda-serving-bench-"),
+        metrics_port=-1,
     )
     backends: list[Backend] = []
     cluster = LocalCluster(launch)

@@ -77,6 +77,8 @@ class EngineCore:
     def stats(self) -> EngineStats:
         sched = self.scheduler
         pool = sched.kv.pool
+        # NOTE: one pass over the running batch (at most max_num_seqs) per snapshot: requests, not sequences.
+        running_requests = len({s.request.request_id for s in sched.running})
         return EngineStats(
             running=len(sched.running),
             waiting=len(sched.waiting),
@@ -87,6 +89,8 @@ class EngineCore:
             prefix_cache_queries=sched.kv.stats.queries,
             prefix_cache_hits=sched.kv.stats.hits,
             preemptions=sched.num_preemptions,
+            running_requests=running_requests,
+            waiting_requests=len(sched.requests) - running_requests,
         )
 
     @property

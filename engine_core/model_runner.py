@@ -29,6 +29,7 @@ from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from engine_core.sampler import Sampler, compute_logprobs
 from engine_core.sampling_batch import SamplingBatch
 from engine_core.step_functions import StepFunction, pick_step_function
+from engine_core.step_timings import StepTimings
 from kernels import cpu as cpu_kernels
 from kernels.triton_mode import configure_triton_interpret
 
@@ -122,19 +123,29 @@ class ModelRunner:
         )
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
-        max_rows = config.max_num_seqs
+        self.last_timings = StepTimings()  # of the latest execute(); read by the worker service for its spans
         self.max_blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
-        self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, config.block_size)
-        self.sampling = SamplingBatch(hf.vocab_size, self.device, max_rows)
-        self._prompt_logprob_seqs: set[int] = set()
+        self.reset()
         # CUDA: a step's inputs travel through pinned buffers into persistent device tensors (device_inputs.py), and
         # decode-only steps replay CUDA graphs (cuda_graphs.py; captured in init_kv_cache) unless enforce_eager.
         self._staging: DeviceInputs | None = None
         if self.device.type == "cuda":
+            max_rows = config.max_num_seqs
             max_tokens = max(config.max_num_batched_tokens, max_rows)
             self._staging = DeviceInputs(self.device, step_input_specs(max_tokens, max_rows, self.max_blocks_per_seq))
             if backend.name == "triton" and not config.enforce_eager:
                 self.decode_step = self._cuda_graph_step(hf.num_key_value_heads)
+
+    def reset(self) -> None:
+        """Forgets every sequence (a new scheduler, i.e. cache epoch, restarts seq ids): a fresh persistent batch and
+        sampling state; weights and KV cache stay.
+
+        NOTE: a step that raised may have left the batch half-updated (a row in the batch but not in the sampling
+        state, or the reverse); rebuilding both is the only reset that cannot leave a poisoned row behind."""
+        max_rows = self.config.max_num_seqs
+        self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, self.config.block_size)
+        self.sampling = SamplingBatch(self.info.vocab_size, self.device, max_rows)
+        self._prompt_logprob_seqs: set[int] = set()
 
     def _cuda_graph_step(self, num_kv_heads: int) -> CudaGraphDecodeStep:
         triton_kernels = importlib.import_module("kernels.triton")  # NOTE: CUDA only; the CPU engine imports no Triton
@@ -184,6 +195,14 @@ class ModelRunner:
     # ---- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        # NOTE: four perf_counter() readings per step (well under a microsecond each) so the worker can show the
+        # step's phases; a fresh object per step, so a reader never sees a half-written one.
+        timings = self.last_timings = StepTimings(start=time.perf_counter())
+        out = self._execute(plan, timings)
+        timings.end = time.perf_counter()
+        return out
+
+    def _execute(self, plan: SchedulerOutput, timings: StepTimings) -> ModelRunnerOutput:
         self._apply_deltas(plan)
         if plan.is_empty:
             return ModelRunnerOutput()
@@ -204,8 +223,10 @@ class ModelRunner:
             self._staging.end()
         sampling_meta = self.sampling.metadata(sample_seq_ids) if len(sample_idx) else None
         self.backend.prepare(meta)
+        timings.forward_start = time.perf_counter()
         step = pick_step_function(self.model, self.decode_step, meta)
         hidden = step(input_ids, positions, self.kv_caches, meta)
+        timings.sample_start = time.perf_counter()
         out = ModelRunnerOutput()
         out.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         if sampling_meta is None:
@@ -221,11 +242,6 @@ class ModelRunner:
         out.sampled_token_ids = tokens_np.tolist()
         out.logprobs = sampled.logprobs
         return out
-
-    def reset(self) -> None:
-        """Forgets every sequence of the persistent batch (a new scheduler, i.e. cache epoch, restarts seq ids)."""
-        for seq_id in list(self.batch.row_of):
-            self._forget(seq_id)
 
     def _forget(self, seq_id: int) -> None:
         self.batch.remove(seq_id)

@@ -33,12 +33,31 @@ class FinishReason(enum.Enum):
         return {"stop_token": "stop", "stop_string": "stop"}.get(self.value, self.value)
 
 
+class LifecycleKind(enum.Enum):
+    PREEMPTED = "preempted"  # a sequence lost its blocks and went back to the queue (recompute preemption)
+    RESUMED = "resumed"  # a preempted sequence was scheduled again
+
+
+@dataclass(frozen=True)
+class LifecycleEvent:
+    """Something that happened to one choice of a request, at `time` (time.monotonic() of the engine)."""
+
+    kind: LifecycleKind
+    time: float
+    index: int  # choice index
+    num_tokens: int  # the sequence's tokens (prompt + output) at that moment
+
+
 @dataclass
 class RequestTimings:
+    """The engine's own record of a request's life (time.monotonic()); services turn it into spans and metrics."""
+
     arrival: float = field(default_factory=time.monotonic)
     first_scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
+    num_steps: int = 0  # steps that computed tokens for any of its choices
+    events: list[LifecycleEvent] = field(default_factory=list)
 
 
 @dataclass(eq=False)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from engine_core.config import EngineConfig
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.plan import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
-from engine_core.request import FinishReason, Request, Sequence, SequenceStatus
+from engine_core.request import FinishReason, LifecycleEvent, LifecycleKind, Request, Sequence, SequenceStatus
 from engine_core.request_limits import RequestLimits
 
 
@@ -171,6 +171,10 @@ class Scheduler:
             timings = seq.request.timings
             if timings.first_scheduled is None:
                 timings.first_scheduled = time.monotonic()
+            elif seq.num_preemptions:
+                timings.events.append(
+                    LifecycleEvent(LifecycleKind.RESUMED, time.monotonic(), seq.index, seq.num_tokens)
+                )
             self.running.append(seq)
             scheduled[seq.seq_id] = num_new
             new_blocks[seq.seq_id] = ids
@@ -221,6 +225,9 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        seq.request.timings.events.append(
+            LifecycleEvent(LifecycleKind.PREEMPTED, time.monotonic(), seq.index, seq.num_tokens)
+        )
         self.waiting.insert(0, seq)
 
     def _build_output(
@@ -228,10 +235,14 @@ class Scheduler:
     ) -> SchedulerOutput:
         out.finished_seq_ids, self._to_drop = self._to_drop, []
         # NOTE: batch order = running order, so decodes and prefills interleave; the runner regroups them.
+        stepped: set[str] = set()  # requests counted in this step (a request's n choices are one step)
         for seq in self.running:
             n = scheduled.get(seq.seq_id)
             if n is None:
                 continue
+            if seq.request.request_id not in stepped:
+                stepped.add(seq.request.request_id)
+                seq.request.timings.num_steps += 1
             if seq.seq_id in self._on_worker:
                 out.cached_seqs.append(CachedSequenceData(seq.seq_id, new_blocks[seq.seq_id], seq.num_computed_tokens))
             else:

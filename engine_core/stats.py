@@ -15,6 +15,8 @@ class EngineStats:
     free_blocks: int = 0
     total_blocks: int = 0
     kv_usage: float = 0.0  # fraction of blocks in use
-    prefix_cache_queries: int = 0  # blocks looked up
-    prefix_cache_hits: int = 0  # blocks found
+    prefix_cache_queries: int = 0  # prompt tokens looked up
+    prefix_cache_hits: int = 0  # prompt tokens found
     preemptions: int = 0
+    running_requests: int = 0  # requests with a choice running (vLLM's num_requests_running)
+    waiting_requests: int = 0  # unfinished requests none of whose choices runs (vLLM's num_requests_waiting)

@@ -9,7 +9,6 @@ pagoda worker|scheduler|frontend ...  one service (what a Kubernetes pod runs); 
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
@@ -79,6 +78,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from services.common.logs import configure_logging
+    from services.common.threads import default_worker_threads
     from services.launcher import LaunchConfig, LocalCluster
 
     configure_logging("serve")
@@ -91,10 +91,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         scheduler_port=args.scheduler_port,
         worker_ports=[args.worker_port + i for i in range(args.num_workers)],
-        # NOTE: colocated with the scheduler and frontend, a worker whose OpenMP team takes every core spins against
-        # them for CPU; measured on 2 cores, one thread made decode steps ~5x faster than two.
-        num_threads=args.worker_threads,
+        num_threads=args.worker_threads or default_worker_threads(args.num_workers),
         log_dir=args.log_dir,
+        metrics_port=args.metrics_port,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        collect_detailed_traces=args.collect_detailed_traces,
     )
     cluster = LocalCluster(config)
     stop = threading.Event()
@@ -111,9 +112,15 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             stream_generation(cluster.frontend_addr, args)
         print("\nserving until Ctrl-C", file=sys.stderr)
         while not stop.wait(0.5):
-            dead = [s.name for s in cluster.services if s.process.poll() is not None]
-            if dead:
-                print(f"{', '.join(dead)} exited: shutting down", file=sys.stderr)
+            dead = [s for s in cluster.services if s.process.poll() is not None]
+            for s in [s for s in dead if s.name.startswith("worker")]:
+                # NOTE: as Kubernetes restarts a dead pod: the scheduler fails the worker's requests with
+                # UNAVAILABLE, waits for it, re-initializes its cache and resumes serving.
+                print(f"{s.name} exited with code {s.process.returncode}: restarting it", file=sys.stderr)
+                cluster.restart(s.name)
+            others = [s.name for s in dead if not s.name.startswith("worker")]
+            if others:
+                print(f"{', '.join(others)} exited: shutting down", file=sys.stderr)
                 return 1
     except KeyboardInterrupt:
         pass
@@ -145,10 +152,16 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--worker-threads",
         type=int,
-        default=max(1, (os.cpu_count() or 2) - 1),
-        help="torch threads per worker (default: all cores but one, left to the scheduler and frontend)",
+        default=None,
+        help="torch threads per worker (default: the usable cores divided among the workers; the scheduler and "
+        "frontend run one thread each and never spin)",
     )
     serve.add_argument("--log-dir", default=None, help="write each service's log there instead of stderr")
+    serve.add_argument(
+        "--metrics-port", type=int, default=8001, help="scheduler /metrics (worker r: +1+r; -1: off; frontend: HTTP)"
+    )
+    serve.add_argument("--otlp-traces-endpoint", default=None, help="OTLP collector (default: OTEL_* variables)")
+    serve.add_argument("--collect-detailed-traces", action="store_true", help="trace engine steps and worker steps")
     serve.add_argument("--startup-timeout", type=float, default=600.0)
     _add_sampling_args(serve)
 
@@ -168,11 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("worker", "scheduler", "frontend"):
         name, rest = argv[0], argv[1:]
         if name == "worker":
+            from services.common.threads import configure_worker_threads
+
+            configure_worker_threads()  # NOTE: before the server's imports load torch
             from services.worker.server import main as service_main
-        elif name == "scheduler":
-            from services.scheduler.server import main as service_main
         else:
-            from services.frontend.server import main as service_main
+            from services.common.threads import limit_control_process_threads
+
+            limit_control_process_threads()  # NOTE: before the server's imports load torch
+            if name == "scheduler":
+                from services.scheduler.server import main as service_main
+            else:
+                from services.frontend.server import main as service_main
         return service_main(rest)
     args = _parser().parse_args(argv)
     if args.command == "serve":

@@ -18,6 +18,7 @@ from typing import IO
 
 from services.common.engine_flags import field_default
 from services.common.health import NOT_SERVING, SERVING, check
+from services.common.tls import TlsFiles
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 
 
@@ -43,6 +44,23 @@ class LaunchConfig:
     extra_scheduler_args: list[str] = field(default_factory=list)
     extra_frontend_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # None: children log to this process's stderr
+    # Prometheus: the scheduler's /metrics port; worker rank r gets metrics_port + 1 + r; -1 disables both.
+    metrics_port: int = 8001
+    otlp_traces_endpoint: str | None = None  # None: the OTEL_* variables (inherited by every service) decide
+    collect_detailed_traces: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment for every service
+    tls: TlsFiles = field(default_factory=TlsFiles)  # the same files for every service (one test CA)
+
+    def tls_args(self) -> list[str]:
+        out: list[str] = []
+        for flag, path in (
+            ("--tls-cert-file", self.tls.cert_file),
+            ("--tls-key-file", self.tls.key_file),
+            ("--tls-ca-file", self.tls.ca_file),
+        ):
+            if path is not None:
+                out += [flag, path]
+        return out
 
 
 @dataclass
@@ -52,6 +70,9 @@ class Service:
     health_service: str
     process: subprocess.Popen[bytes]
     log: IO[bytes] | None
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    restarts: int = 0
     # Every distinct health status seen while waiting (None = unreachable), in order.
     observed: list[int | None] = field(default_factory=list)
 
@@ -73,36 +94,84 @@ class LocalCluster:
     def scheduler_addr(self) -> str:
         return f"127.0.0.1:{self.config.scheduler_port}"
 
-    def _spawn(self, name: str, module: str, args: list[str], addr: str, health_service: str) -> Service:
+    def spawn(
+        self, name: str, module: str, args: list[str], addr: str, health_service: str, env: dict[str, str]
+    ) -> Service:
+        """One more process (`python -m module *args`, environment updated with `env`), waited on and stopped with
+        the others; e.g. a service with the exact arguments a Kubernetes manifest gives it."""
+        return self._spawn(name, module, args, addr, health_service, env)
+
+    def _spawn(
+        self,
+        name: str,
+        module: str,
+        args: list[str],
+        addr: str,
+        health_service: str,
+        extra_env: dict[str, str] | None = None,
+    ) -> Service:
+        argv = [sys.executable, "-m", module, *args, *self.config.tls_args()]
+        env = dict(extra_env or {})
+        service = Service(name, addr, health_service, *self._popen(name, argv, env, "wb"), argv=argv, env=env)
+        self.services.append(service)
+        return service
+
+    def _popen(
+        self, name: str, argv: list[str], extra_env: dict[str, str], mode: str
+    ) -> tuple[subprocess.Popen[bytes], IO[bytes] | None]:
         log: IO[bytes] | None = None
         if self.config.log_dir is not None:
             Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
-            log = open(Path(self.config.log_dir) / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the child
-        env = dict(os.environ)
+            log = open(Path(self.config.log_dir) / f"{name}.log", mode)  # noqa: SIM115 - lives as long as the child
+        env = dict(os.environ) | self.config.env
         env.setdefault("PYTHONUNBUFFERED", "1")
-        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=log, stderr=log, env=env)
-        service = Service(name, addr, health_service, proc, log)
-        self.services.append(service)
+        env.update(extra_env)
+        return subprocess.Popen(argv, stdout=log, stderr=log, env=env), log
+
+    def restart(self, name: str) -> Service:
+        """Starts a service that exited again, with the same arguments (what Kubernetes does for a dead pod)."""
+        service = self.service(name)
+        if service.process.poll() is None:
+            raise RuntimeError(f"{name} is still running")
+        if service.log is not None:
+            service.log.close()
+        service.process, service.log = self._popen(name, service.argv, service.env, "ab")
+        service.restarts += 1
         return service
+
+    def _tracing_args(self) -> list[str]:
+        c = self.config
+        args = ["--otlp-traces-endpoint", c.otlp_traces_endpoint] if c.otlp_traces_endpoint else []
+        return args + (["--collect-detailed-traces"] if c.collect_detailed_traces else [])
+
+    def metrics_port(self, service: str) -> int:
+        """The /metrics port of `scheduler` or `worker{rank}` (-1: off)."""
+        c = self.config
+        if c.metrics_port < 0:
+            return -1
+        return c.metrics_port if service == "scheduler" else c.metrics_port + 1 + int(service.removeprefix("worker"))
 
     def start(self) -> None:
         c = self.config
         model = ["--model", c.model] if c.model else []
         threads = ["--num-threads", str(c.num_threads)] if c.num_threads else []
+        tracing = self._tracing_args()
         for rank, port in enumerate(c.worker_ports):
-            args = ["--host", "127.0.0.1", "--worker-port", str(port), *model, "--dtype", c.dtype]
+            # NOTE: no --host: internal services bind to their default, loopback (the security tests check it).
+            args = ["--worker-port", str(port), *model, "--dtype", c.dtype]
+            args += ["--metrics-port", str(self.metrics_port(f"worker{rank}")), *tracing]
             args += ["--kv-cache-memory", str(c.kv_cache_memory), "--max-num-seqs", str(c.max_num_seqs), *threads]
             self._spawn(
                 f"worker{rank}", "services.worker", args + c.extra_worker_args, f"127.0.0.1:{port}", WORKER_SERVICE
             )
         workers = ",".join(f"127.0.0.1:{p}" for p in c.worker_ports)
-        args = ["--host", "127.0.0.1", "--scheduler-port", str(c.scheduler_port), "--worker-addrs", workers]
-        args += ["--max-num-seqs", str(c.max_num_seqs)]
+        args = ["--scheduler-port", str(c.scheduler_port), "--worker-addrs", workers]
+        args += ["--max-num-seqs", str(c.max_num_seqs), "--metrics-port", str(self.metrics_port("scheduler")), *tracing]
         self._spawn(
             "scheduler", "services.scheduler", args + c.extra_scheduler_args, self.scheduler_addr, SCHEDULER_SERVICE
         )
         args = ["--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port)]
-        args += ["--scheduler-addr", self.scheduler_addr, *model]
+        args += ["--scheduler-addr", self.scheduler_addr, *model, *tracing]
         self._spawn(
             "frontend", "services.frontend", args + c.extra_frontend_args, self.frontend_addr, GENERATION_SERVICE
         )
@@ -116,7 +185,7 @@ class LocalCluster:
                 code = service.process.poll()
                 if code is not None:
                     raise RuntimeError(f"{service.name} exited with code {code} before becoming healthy")
-                status = check(service.addr, service.health_service, timeout=0.5)
+                status = check(service.addr, service.health_service, timeout=0.5, tls=self.config.tls)
                 if not service.observed or service.observed[-1] != status:
                     service.observed.append(status)
                 if status == SERVING:
@@ -159,4 +228,10 @@ class LocalCluster:
         for s in self.services:
             if s.name.startswith("worker"):
                 out[s.name] = s.addr
+        if self.config.http_port >= 0:
+            out["metrics (frontend)"] = f"http://{self.config.host}:{self.config.http_port}/metrics"
+        for s in self.services:
+            port = self.metrics_port(s.name) if s.name != "frontend" else -1
+            if port >= 0:
+                out[f"metrics ({s.name})"] = f"http://127.0.0.1:{port}/metrics"
         return out

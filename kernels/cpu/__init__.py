@@ -23,6 +23,7 @@ _SOURCES = [
     for name in ("paged_attention.cpp", "fused_ops.cpp", "small_m_linear.cpp", "decode_step.cpp")
 ]
 _HEADERS = [Path(__file__).with_name("ops.h")]
+_NAME = "pagoda_cpu_kernels"
 _lock = threading.Lock()
 _loaded: bool | None = None
 
@@ -60,12 +61,23 @@ def _load() -> bool:
     from torch.utils.cpp_extension import load
 
     build_dir = _build_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
+    prebuilt = build_dir / f"{_NAME}.so"
+    if prebuilt.is_file():
+        # NOTE: the build directory is keyed by sources, torch and CPU flags, so a library there is current. Loading it
+        # directly, not through the JIT builder, needs no compiler and writes nothing (the builder rewrites
+        # build.ninja and takes a lock file on every load): containers run with the kernels baked into a read-only
+        # PAGODA_CACHE.
+        try:
+            torch.ops.load_library(str(prebuilt))
+            return True
+        except Exception as e:
+            log.warning("prebuilt native CPU kernels failed to load; rebuilding", error=str(e)[:500])
     if not any(build_dir.glob("*.so")):
         log.info("compiling native CPU kernels (once per machine, ~30 s)", build_dir=str(build_dir))
     try:
+        build_dir.mkdir(parents=True, exist_ok=True)
         load(
-            name="pagoda_cpu_kernels",
+            name=_NAME,
             sources=[str(s) for s in _SOURCES],
             extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"],
             extra_ldflags=["-fopenmp", "-lmvec"],

@@ -29,3 +29,8 @@ def request_timestamps(request: Request, arrival_ns: int = 0) -> common_pb2.Requ
         first_token_ns=monotonic_to_ns(t.first_token),
         finished_ns=monotonic_to_ns(t.finished),
     )
+
+
+def perf_counter_to_ns(t: float) -> int:
+    """A time.perf_counter() reading of this process as Unix nanoseconds."""
+    return time.time_ns() - int((time.perf_counter() - t) * 1e9)

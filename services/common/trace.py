@@ -1,6 +1,7 @@
 """W3C trace context (traceparent/tracestate): taken from incoming metadata, carried in every internal message.
 
-Full OpenTelemetry tracing is a later step; it only has to read `TraceContext` messages and metadata written here.
+With tracing on (services/common/telemetry.py) the services convert between these and OpenTelemetry span contexts
+with `span_context_of` and `TraceContext.of_span`.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+
+from opentelemetry.trace import Span, SpanContext, TraceFlags, TraceState
 
 from services.rpc import common_pb2
 
@@ -36,6 +39,23 @@ class TraceContext:
         """gRPC metadata to propagate the context on an outgoing call."""
         return tuple((k, v) for k, v in self.as_dict().items())
 
+    @property
+    def trace_id(self) -> str:
+        return self.traceparent[3:35]
+
+    @property
+    def span_id(self) -> str:
+        return self.traceparent[36:52]
+
+    @classmethod
+    def of_span(cls, span: Span) -> TraceContext:
+        """The W3C context of an OpenTelemetry span (empty for an invalid one)."""
+        ctx = span.get_span_context()
+        if not ctx.is_valid:
+            return cls()
+        state = ctx.trace_state.to_header() if ctx.trace_state else ""
+        return cls(f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}", state)
+
     @classmethod
     def from_proto(cls, msg: common_pb2.TraceContext) -> TraceContext:
         return cls.parse(msg.traceparent, msg.tracestate)
@@ -61,3 +81,17 @@ class TraceContext:
         if not _TRACEPARENT.match(traceparent):
             return cls()
         return cls(traceparent, tracestate.strip())
+
+
+def span_context_of(tc: TraceContext) -> SpanContext | None:
+    """A remote OpenTelemetry SpanContext from a W3C traceparent (None when there is none)."""
+    if not tc.traceparent:
+        return None
+    _, trace_id, span_id, flags = tc.traceparent.split("-")
+    return SpanContext(
+        int(trace_id, 16),
+        int(span_id, 16),
+        is_remote=True,
+        trace_flags=TraceFlags(int(flags, 16)),
+        trace_state=TraceState.from_header([tc.tracestate]) if tc.tracestate else None,
+    )

@@ -48,8 +48,11 @@ def params_from_proto(opts: common_pb2.SamplingOptions, *, internal: bool = Fals
     return params
 
 
-def params_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
-    """Every field, explicitly (the receiver must not depend on its own defaults)."""
+def params_to_proto(params: SamplingParams, *, with_stop_strings: bool = True) -> common_pb2.SamplingOptions:
+    """Every field, explicitly (the receiver must not depend on its own defaults).
+
+    `with_stop_strings=False` for the internal hops: stop strings are matched by the frontend's detokenizer, so
+    the scheduler and workers never need them (and they would ride along in every step message)."""
     opts = common_pb2.SamplingOptions()
     for name in _SCALARS:
         value = getattr(params, name)
@@ -57,7 +60,7 @@ def params_to_proto(params: SamplingParams) -> common_pb2.SamplingOptions:
             setattr(opts, name, value)
     if params.max_tokens is None:
         opts.unlimited_max_tokens = True
-    if params.stop:
+    if params.stop and with_stop_strings:
         opts.stop.extend(params.stop)
     if params.stop_token_ids:
         opts.stop_token_ids.extend(params.stop_token_ids)

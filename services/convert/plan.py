@@ -31,7 +31,7 @@ def plan_to_proto(plan: SchedulerOutput, *, epoch: str, step: int) -> worker_pb2
             seq_id=new.seq_id,
             token_ids=new.token_ids,
             num_prompt_tokens=new.num_prompt_tokens,
-            sampling=params_to_proto(new.sampling_params),
+            sampling=params_to_proto(new.sampling_params, with_stop_strings=False),
             block_ids=new.block_ids,
             num_computed_tokens=new.num_computed_tokens,
             request_id=new.request_id,

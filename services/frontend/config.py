@@ -7,7 +7,13 @@ from dataclasses import dataclass
 
 from engine_core.config import default_cache_dir
 from services.common.engine_flags import MODEL_FIELDS, add_engine_flags
-from services.common.flags import add_flag
+from services.common.flags import add_flag, optional_str
+from services.common.telemetry import FRONTEND_SERVICE_NAME, TracingSettings, add_tracing_flags
+from services.common.tls import TlsFiles
+from services.frontend.auth import read_keys
+from services.frontend.limits import ApiLimits
+
+PREFIX_CACHE_ISOLATION = ("none", "api-key")
 
 
 @dataclass
@@ -22,6 +28,13 @@ class FrontendConfig:
     max_inflight: int
     scheduler_timeout: float
     drain_timeout: float
+    tracing: TracingSettings
+    limits: ApiLimits
+    tls: TlsFiles
+    api_keys: list[str]
+    enable_client_priority: bool  # off: every request gets priority 0, whatever the client sent
+    prefix_cache_isolation: str  # "api-key": each tenant's prompts only hit its own prefix-cache entries
+    tokenizer_threads: int
 
 
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
@@ -33,8 +46,25 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
     add_engine_flags(p, MODEL_FIELDS)
     add_flag(p, "--max-inflight", default=4096, type=int, help="requests in flight before RESOURCE_EXHAUSTED")
     add_flag(p, "--scheduler-timeout", default=600.0, type=float, help="seconds to wait for the scheduler at start")
-    add_flag(p, "--drain-timeout", default=60.0, type=float, help="seconds to finish in-flight streams on SIGTERM")
+    add_flag(p, "--drain-timeout", default=20.0, type=float, help="seconds to finish in-flight streams on SIGTERM")
+    add_flag(p, "--api-keys", default=None, type=optional_str, help="comma-separated API keys (none: open API)")
+    add_flag(p, "--api-keys-file", default=None, type=optional_str, help="file with one API key per line")
+    add_flag(p, "--enable-client-priority", default=False, type=bool, help="honour the priority clients send")
+    add_flag(p, "--prefix-cache-isolation", default="none", help="none | api-key (per-tenant prefix cache)")
+    add_flag(p, "--tokenizer-threads", default=1, type=int, help="threads that tokenize off the event loop")
+    TlsFiles.add_flags(p)
+    ApiLimits.add_flags(p)
+    add_tracing_flags(p)
     a = p.parse_args(argv)
+    if a.prefix_cache_isolation not in PREFIX_CACHE_ISOLATION:
+        p.error(f"--prefix-cache-isolation must be one of {PREFIX_CACHE_ISOLATION}, got {a.prefix_cache_isolation!r}")
+    try:
+        limits, tls = ApiLimits.from_args(a), TlsFiles.from_args(a)
+        api_keys = read_keys(a.api_keys, a.api_keys_file)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    if a.prefix_cache_isolation == "api-key" and not api_keys:
+        p.error("--prefix-cache-isolation api-key needs --api-keys or --api-keys-file")
     return FrontendConfig(
         host=a.host,
         grpc_port=a.grpc_port,
@@ -46,4 +76,11 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         max_inflight=a.max_inflight,
         scheduler_timeout=a.scheduler_timeout,
         drain_timeout=a.drain_timeout,
+        tracing=TracingSettings.from_args(a, FRONTEND_SERVICE_NAME),
+        limits=limits,
+        tls=tls,
+        api_keys=api_keys,
+        enable_client_priority=a.enable_client_priority,
+        prefix_cache_isolation=a.prefix_cache_isolation,
+        tokenizer_threads=max(1, a.tokenizer_threads),
     )

@@ -11,6 +11,8 @@ from engine_core.request_output import PositionLogprobs
 from services.common.trace import TraceContext
 from services.convert.outputs import reason_to_proto, stop_to_proto
 from services.convert.params import params_from_proto
+from services.frontend.auth import ApiKeys
+from services.frontend.limits import ApiLimits
 from services.frontend.pipeline import RequestPipeline
 from services.frontend.request import ChatMessage, ErrorCode, GenerateInput, PromptInput, RequestError, StreamEvent
 from services.rpc import common_pb2, generation_pb2, generation_pb2_grpc
@@ -36,7 +38,7 @@ def prompt_from_proto(msg: generation_pb2.GenerateRequest | generation_pb2.Token
     raise RequestError.invalid("input is required: set one of text, chat or token_ids", "input")
 
 
-def input_from_proto(msg: generation_pb2.GenerateRequest, trace: TraceContext) -> GenerateInput:
+def input_from_proto(msg: generation_pb2.GenerateRequest, trace: TraceContext, tenant: str = "") -> GenerateInput:
     if msg.sampling.HasField("eos_token_id"):
         raise RequestError.invalid("sampling.eos_token_id is set by the server from the model; leave it unset")
     try:
@@ -50,6 +52,7 @@ def input_from_proto(msg: generation_pb2.GenerateRequest, trace: TraceContext) -
         priority=msg.priority,
         cache_salt=msg.cache_salt or None,
         trace=trace,
+        tenant=tenant,
     )
 
 
@@ -115,21 +118,28 @@ def _reason_from_openai(reason: str | None, stop: int | str | None) -> int:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Serves once `pipeline` is set (the tokenizer loaded and the scheduler ready); UNAVAILABLE before."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: ApiKeys | None = None, limits: ApiLimits | None = None) -> None:
         self.pipeline: RequestPipeline | None = None
+        self.keys = keys or ApiKeys([])
+        self.limits = limits or ApiLimits()
 
-    def _ready(self) -> RequestPipeline:
+    def _ready(self, context: grpc.aio.ServicerContext) -> tuple[RequestPipeline, str]:
+        """The pipeline and the caller's tenant (UNAUTHENTICATED first: no state is revealed to a stranger)."""
+        tenant = self.keys.tenant(context.invocation_metadata())
         if self.pipeline is None:
             raise RequestError(ErrorCode.UNAVAILABLE, "the frontend is starting (waiting for the scheduler)")
-        return self.pipeline
+        return self.pipeline, tenant
+
+    def _trace(self, context: grpc.aio.ServicerContext) -> TraceContext:
+        trace = TraceContext.from_metadata(context.invocation_metadata())
+        return TraceContext(trace.traceparent, self.limits.tracestate(trace.tracestate))
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         try:
-            pipeline = self._ready()
-            trace = TraceContext.from_metadata(context.invocation_metadata())
-            prepared = pipeline.prepare(input_from_proto(request, trace))
+            pipeline, tenant = self._ready(context)
+            prepared = await pipeline.prepare(input_from_proto(request, self._trace(context), tenant))
             async for event in pipeline.stream(prepared):
                 yield response_from_event(event, prepared.prompt_token_ids)
         except RequestError as e:
@@ -139,7 +149,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
         try:
-            return common_pb2.AbortResponse(found=await self._ready().abort(request.request_id))
+            pipeline, tenant = self._ready(context)
+            # NOTE: the caller's own `owner` field is ignored: ownership comes from its API key only.
+            return common_pb2.AbortResponse(found=await pipeline.abort(request.request_id, tenant))
         except RequestError as e:
             await context.abort(GRPC_CODES[e.code], e.message)
             raise  # unreachable: abort raises
@@ -148,18 +160,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.TokenizeResponse:
         try:
-            tok = self._ready().tokenizer
-            _, ids = tok.encode(prompt_from_proto(request), check_length=False)
+            pipeline, _ = self._ready(context)
+            prompt = prompt_from_proto(request)
+            self.limits.check_prompt(prompt)
+            _, ids = await pipeline.encode(prompt, check_length=False)
         except RequestError as e:
             await context.abort(GRPC_CODES[e.code], e.message)
             raise
+        tok = pipeline.tokenizer
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=tok.tokens(ids), max_model_len=tok.max_model_len)
 
     async def ModelInfo(
         self, request: generation_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> generation_pb2.ModelInfoResponse:
         try:
-            m = self._ready().model
+            m = self._ready(context)[0].model
         except RequestError as e:
             await context.abort(GRPC_CODES[e.code], e.message)
             raise

@@ -15,6 +15,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from services.common.trace import TraceContext
+from services.frontend.auth import ApiKeys
+from services.frontend.body_limit import BodySizeLimit
 from services.frontend.openai_convert import (
     CompletionLogprobsBuilder,
     chat_input,
@@ -49,6 +51,7 @@ HTTP_STATUS = {
     ErrorCode.RESOURCE_EXHAUSTED: 429,
     ErrorCode.CANCELLED: 499,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.UNAUTHENTICATED: 401,
     ErrorCode.UNAVAILABLE: 503,
     ErrorCode.DEADLINE_EXCEEDED: 504,
 }
@@ -100,10 +103,58 @@ async def _merge(streams: list[AsyncIterator[StreamEvent]]) -> AsyncIterator[tup
             task.cancel()
 
 
+async def _start_sse(chunks: AsyncIterator[str]) -> Response:
+    """Reads the stream up to its first chunk before answering, so failures of admission (overload, scheduler or
+    worker down) get their status code (429, 503) instead of an error event after a 200. Empty chunks only mark
+    that the request was admitted and are not sent."""
+    try:
+        first = await anext(chunks, None)
+    except RequestError as e:
+        await chunks.aclose()
+        return error_response(e)
+
+    async def rest() -> AsyncIterator[str]:
+        if first:
+            yield first
+        async for chunk in chunks:
+            if chunk:
+                yield chunk
+
+    return StreamingResponse(rest(), media_type="text/event-stream")
+
+
 class OpenAIRoutes:
-    def __init__(self, pipeline: RequestPipeline, is_serving: Callable[[], bool]) -> None:
+    def __init__(self, pipeline: RequestPipeline, is_serving: Callable[[], bool], keys: ApiKeys) -> None:
         self.pipeline = pipeline
         self.is_serving = is_serving
+        self.keys = keys
+
+    def _tenant(self, request: Request) -> str:
+        return self.keys.tenant(request.headers.items())
+
+    def _trace(self, request: Request) -> TraceContext:
+        trace = TraceContext.from_metadata(request.headers.items())
+        return TraceContext(trace.traceparent, self.pipeline.limits.tracestate(trace.tracestate))
+
+    async def _collect_all(self, request: Request, prepared: list[PreparedRequest]) -> list[FinalInfo] | None:
+        """Every prompt's result; None when the client disconnected. One prompt failing, or the client going
+        away, cancels (aborts) all of them: nobody would read the rest."""
+        tasks = [asyncio.ensure_future(self._collect(p)) for p in prepared]
+        gathered = asyncio.gather(*tasks)
+        try:
+            while True:
+                done, _ = await asyncio.wait([gathered], timeout=0.25)
+                if done:
+                    return gathered.result()
+                if await request.is_disconnected():
+                    return None
+        finally:
+            for task in tasks:
+                task.cancel()
+            if not gathered.done():
+                gathered.cancel()
+            # NOTE: collect the cancelled/failed siblings so none logs "exception was never retrieved".
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     @property
     def model_name(self) -> str:
@@ -118,26 +169,36 @@ class OpenAIRoutes:
     async def health(self) -> Response:
         return Response(status_code=200 if self.is_serving() else 503)
 
-    async def models(self) -> ModelList:
+    async def models(self, request: Request) -> Response:
+        try:
+            self._tenant(request)
+        except RequestError as e:
+            return error_response(e)
+        return JSONResponse(self._model_list().model_dump())
+
+    def _model_list(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.pipeline.model.max_model_len)])
 
     # ---- /v1/completions -----------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         try:
+            tenant = self._tenant(request)
             self._check_model(body.model)
             rid = body.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-            trace = TraceContext.from_metadata(request.headers.items())
-            prepared = [self.pipeline.prepare(i) for i in completion_inputs(body, trace, rid)]
+            inputs = completion_inputs(body, self._trace(request), rid, tenant, self.pipeline.limits.max_prompts)
+            for inp in inputs:  # NOTE: every prompt's cheap checks before tokenizing any of them
+                self.pipeline.check(inp)
+            prepared = [await self.pipeline.prepare(i) for i in inputs]
         except RequestError as e:
             return error_response(e)
         if body.stream:
-            return StreamingResponse(
-                self._completion_stream(body, f"cmpl-{rid}", prepared), media_type="text/event-stream"
-            )
+            return await _start_sse(self._completion_stream(body, f"cmpl-{rid}", prepared))
         try:
-            finals = await asyncio.gather(*(self._collect(p) for p in prepared))
+            finals = await self._collect_all(request, prepared)
         except RequestError as e:
             return error_response(e)
+        if finals is None:
+            return Response(status_code=499)  # the client is gone; nobody reads this
         choices = []
         for i, (p, final) in enumerate(zip(prepared, finals, strict=True)):
             for c in final.output.outputs:
@@ -177,8 +238,12 @@ class OpenAIRoutes:
         builders: dict[int, CompletionLogprobsBuilder] = {}
         usages: list[Usage] = []
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        started = False
         try:
             async for i, event in _merge([self.pipeline.stream(p) for p in prepared]):
+                if not started:
+                    started = True
+                    yield ""  # admitted: _start_sse answers 200 now
                 choices = []
                 if body.echo and event.first:
                     choices += [
@@ -203,25 +268,30 @@ class OpenAIRoutes:
                 yield _sse(CompletionResponse(id=cid, model=self.model_name, choices=[], usage=usage_info(usages)))
             yield "data: [DONE]\n\n"
         except RequestError as e:
+            if not started:
+                raise
             yield _sse(_error_body(e))
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
         try:
+            tenant = self._tenant(request)
             self._check_model(body.model)
             rid = body.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-            trace = TraceContext.from_metadata(request.headers.items())
-            prepared = self.pipeline.prepare(chat_input(body, trace, rid))
+            prepared = await self.pipeline.prepare(chat_input(body, self._trace(request), rid, tenant))
         except RequestError as e:
             return error_response(e)
         cid = f"chatcmpl-{rid}"
         top_k = body.top_logprobs or 0
         if body.stream:
-            return StreamingResponse(self._chat_stream(body, cid, prepared, top_k), media_type="text/event-stream")
+            return await _start_sse(self._chat_stream(body, cid, prepared, top_k))
         try:
-            final = await self._collect(prepared)
+            finals = await self._collect_all(request, [prepared])
         except RequestError as e:
             return error_response(e)
+        if finals is None:
+            return Response(status_code=499)
+        final = finals[0]
         choices = [
             ChatChoice(
                 index=c.index,
@@ -240,8 +310,10 @@ class OpenAIRoutes:
     ) -> AsyncIterator[str]:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         usage: Usage | None = None
+        started = False
         try:
             async for event in self.pipeline.stream(prepared):
+                started = True
                 if event.first:
                     role = ChatDelta(role="assistant", content="")
                     first = [ChatChunkChoice(index=j, delta=role) for j in range(body.n)]
@@ -264,14 +336,17 @@ class OpenAIRoutes:
                 yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[], usage=usage_info([usage])))
             yield "data: [DONE]\n\n"
         except RequestError as e:
+            if not started:
+                raise
             yield _sse(_error_body(e))
 
 
-def create_app(pipeline: RequestPipeline, is_serving: Callable[[], bool]) -> FastAPI:
+def create_app(pipeline: RequestPipeline, is_serving: Callable[[], bool], keys: ApiKeys | None = None) -> FastAPI:
     app = FastAPI(
         title="Pagoda", description="OpenAI-compatible API of the Pagoda frontend", docs_url=None, redoc_url=None
     )
-    routes = OpenAIRoutes(pipeline, is_serving)
+    app.add_middleware(BodySizeLimit, max_bytes=pipeline.limits.max_request_bytes)
+    routes = OpenAIRoutes(pipeline, is_serving, keys or ApiKeys([]))
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)

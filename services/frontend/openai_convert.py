@@ -58,13 +58,18 @@ def _params(
         raise RequestError.invalid(str(e)) from e
 
 
-def completion_inputs(req: CompletionRequest, trace: TraceContext, request_id: str) -> list[GenerateInput]:
+def completion_inputs(
+    req: CompletionRequest, trace: TraceContext, request_id: str, tenant: str = "", max_prompts: int | None = None
+) -> list[GenerateInput]:
     """One input per prompt (the completions API takes a batch of prompts)."""
     if req.suffix is not None:
         raise RequestError.invalid("suffix is not supported")
     if req.best_of is not None and req.best_of != req.n:
         raise RequestError.invalid("best_of must equal n (beam search and best-of are not supported)")
     p = req.prompt
+    batch = isinstance(p, list) and bool(p) and not isinstance(p[0], int)
+    if max_prompts is not None and batch and len(p) > max_prompts:
+        raise RequestError.invalid(f"prompt has {len(p)} prompts; the limit is {max_prompts}", "prompt")
     prompts: list[PromptInput]
     if isinstance(p, str):
         prompts = [PromptInput(text=p, add_special_tokens=req.add_special_tokens)]
@@ -85,12 +90,14 @@ def completion_inputs(req: CompletionRequest, trace: TraceContext, request_id: s
             priority=req.priority,
             cache_salt=req.cache_salt,
             trace=trace,
+            stream=bool(req.stream),
+            tenant=tenant,
         )
         for i, prompt in enumerate(prompts)
     ]
 
 
-def chat_input(req: ChatCompletionRequest, trace: TraceContext, request_id: str) -> GenerateInput:
+def chat_input(req: ChatCompletionRequest, trace: TraceContext, request_id: str, tenant: str = "") -> GenerateInput:
     if req.tools or req.tool_choice not in (None, "none"):
         raise RequestError.invalid("tools are not supported")
     if req.response_format is not None and req.response_format.get("type") not in (None, "text"):
@@ -106,7 +113,9 @@ def chat_input(req: ChatCompletionRequest, trace: TraceContext, request_id: str)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
     prompt = PromptInput(messages=messages, add_generation_prompt=req.add_generation_prompt, field="messages")
-    return GenerateInput(prompt, params, request_id, req.priority, req.cache_salt, trace)
+    return GenerateInput(
+        prompt, params, request_id, req.priority, req.cache_salt, trace, tenant=tenant, stream=bool(req.stream)
+    )
 
 
 def usage_info(usages: list[Usage]) -> UsageInfo:

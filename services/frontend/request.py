@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_core.output_processor import ChoiceDelta
 from engine_core.request_output import PositionLogprobs, RequestOutput
 from engine_core.sampling_params import SamplingParams
 from services.common.trace import TraceContext
+
+if TYPE_CHECKING:
+    from services.frontend.tracing import RequestSpan
 
 
 class ErrorCode(enum.Enum):
@@ -22,6 +26,7 @@ class ErrorCode(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     CANCELLED = "CANCELLED"
     INTERNAL = "INTERNAL"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
 
 
 class RequestError(Exception):
@@ -64,6 +69,8 @@ class GenerateInput:
     priority: int = 0
     cache_salt: str | None = None
     trace: TraceContext = field(default_factory=TraceContext)
+    stream: bool = True  # the caller streams (for the trace; the pipeline streams either way)
+    tenant: str = ""  # who submitted it (services.frontend.auth): owns it for Abort, may salt the prefix cache
 
 
 @dataclass
@@ -79,6 +86,8 @@ class PreparedRequest:
     trace: TraceContext
     arrival_ns: int
     arrival_monotonic: float
+    span: RequestSpan | None = None  # only when tracing is on
+    tenant: str = ""
 
 
 @dataclass

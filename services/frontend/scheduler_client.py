@@ -6,6 +6,7 @@ import grpc
 
 from services.common.grpc_opts import CHANNEL_OPTIONS
 from services.common.health import wait_serving_async
+from services.common.tls import TlsFiles, aio_channel
 from services.frontend.request import ErrorCode, RequestError
 from services.rpc import SCHEDULER_SERVICE, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -18,21 +19,24 @@ _CODES = {
     grpc.StatusCode.UNAVAILABLE: ErrorCode.UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED: ErrorCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.CANCELLED: ErrorCode.CANCELLED,
+    grpc.StatusCode.UNAUTHENTICATED: ErrorCode.UNAUTHENTICATED,
 }
 
 
 def rpc_error(e: grpc.aio.AioRpcError) -> RequestError:
     code = _CODES.get(e.code(), ErrorCode.INTERNAL)
     details = e.details() or e.code().name
-    if code is ErrorCode.UNAVAILABLE:
+    if code is ErrorCode.UNAVAILABLE and not details.startswith("worker"):
         details = f"scheduler unavailable: {details}"
     return RequestError(code, details, details.split(" ", 1)[0] if code is ErrorCode.INVALID_ARGUMENT else None)
 
 
 class SchedulerClient:
-    def __init__(self, addr: str) -> None:
+    def __init__(
+        self, addr: str, tls: TlsFiles | None = None, interceptors: list[grpc.aio.ClientInterceptor] | None = None
+    ) -> None:
         self.addr = addr
-        self.channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        self.channel = aio_channel(addr, tls or TlsFiles(), CHANNEL_OPTIONS, interceptors)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
 
     async def wait_ready(self, timeout: float) -> scheduler_pb2.InfoResponse:
@@ -44,8 +48,8 @@ class SchedulerClient:
     ) -> grpc.aio.UnaryStreamCall:
         return self.stub.Submit(request, metadata=metadata or None)
 
-    async def abort(self, request_id: str) -> bool:
-        resp = await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=10.0)
+    async def abort(self, request_id: str, owner: str) -> bool:
+        resp = await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id, owner=owner), timeout=10.0)
         return resp.found
 
     async def finish_choice(self, request_id: str, index: int, stop: str, trace: common_pb2.TraceContext) -> None:

@@ -17,16 +17,22 @@ import structlog
 import uvicorn
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+from prometheus_client import CollectorRegistry
 
 from engine_core.model_files import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
-from services.common.grpc_opts import SERVER_OPTIONS
+from services.common.grpc_opts import server_options
 from services.common.health import HEALTH_SERVICE, SERVING, ServiceHealth
 from services.common.logs import configure_logging
 from services.common.signals import ignore_late_signals, shutdown_event
+from services.common.telemetry import Telemetry, setup_tracing
+from services.common.tls import add_port
+from services.frontend.auth import ApiKeys
 from services.frontend.config import FrontendConfig, parse_frontend_args
 from services.frontend.grpc_api import GenerationServicer
+from services.frontend.metrics import RequestMetrics, add_metrics_route
 from services.frontend.openai_api import create_app
-from services.frontend.pipeline import RequestPipeline
+from services.frontend.pipeline import AdmissionPolicy, RequestPipeline
 from services.frontend.request import ModelDescription
 from services.frontend.scheduler_client import SchedulerClient
 from services.frontend.tokenization import PromptTokenizer
@@ -42,7 +48,9 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-async def _load_pipeline(config: FrontendConfig, client: SchedulerClient) -> RequestPipeline:
+async def _load_pipeline(
+    config: FrontendConfig, client: SchedulerClient, registry: CollectorRegistry, telemetry: Telemetry | None
+) -> RequestPipeline:
     model_dir = await asyncio.to_thread(resolve_model_dir, config.model, config.cache_dir)
     hf_tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer or model_dir)
     info = await client.wait_ready(config.scheduler_timeout)
@@ -66,7 +74,15 @@ async def _load_pipeline(config: FrontendConfig, client: SchedulerClient) -> Req
         eos_token_id=eos,
         has_chat_template=tokenizer.has_chat_template,
     )
-    return RequestPipeline(tokenizer, client, model, config.max_inflight)
+    policy = AdmissionPolicy(
+        max_inflight=config.max_inflight,
+        limits=config.limits,
+        enable_client_priority=config.enable_client_priority,
+        prefix_cache_isolation=config.prefix_cache_isolation,
+        tokenizer_threads=config.tokenizer_threads,
+    )
+    metrics = RequestMetrics(registry, model.name, model.max_model_len)
+    return RequestPipeline(tokenizer, client, model, policy, metrics, telemetry)
 
 
 async def _watch_scheduler(client: SchedulerClient, health: ServiceHealth, pipeline: RequestPipeline) -> None:
@@ -84,19 +100,27 @@ async def _watch_scheduler(client: SchedulerClient, health: ServiceHealth, pipel
         await asyncio.sleep(1.0)
 
 
-async def serve(config: FrontendConfig) -> int:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    servicer = GenerationServicer()
+async def serve(config: FrontendConfig, telemetry: Telemetry | None = None) -> int:
+    server = grpc.aio.server(
+        options=server_options(config.limits.max_request_bytes),
+        interceptors=telemetry.server_interceptors() if telemetry is not None else None,
+    )
+    keys = ApiKeys(config.api_keys)
+    servicer = GenerationServicer(keys, config.limits)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = ServiceHealth(server, [GENERATION_SERVICE])
     await health.set_serving(False)
     reflection.enable_server_reflection([GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME], server)
-    grpc_port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    # NOTE: the public listener never asks for client certificates: clients authenticate with API keys.
+    grpc_port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls, require_client_cert=False)
     await server.start()
     log.info("frontend gRPC listening", addr=f"{config.host}:{grpc_port}", scheduler=config.scheduler_addr)
     stop = shutdown_event()
-    client = SchedulerClient(config.scheduler_addr)
-    loading = asyncio.ensure_future(_load_pipeline(config, client))
+    client = SchedulerClient(
+        config.scheduler_addr, config.tls, telemetry.client_interceptors() if telemetry is not None else None
+    )
+    registry = CollectorRegistry()
+    loading = asyncio.ensure_future(_load_pipeline(config, client, registry, telemetry))
     await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():
         loading.cancel()
@@ -107,9 +131,25 @@ async def serve(config: FrontendConfig) -> int:
     http: _Uvicorn | None = None
     http_task: asyncio.Future[None] | None = None
     if config.http_port is not None:
-        app = create_app(pipeline, lambda: health.serving)
+        app = create_app(pipeline, lambda: health.serving, keys)
+        add_metrics_route(app, registry, pipeline.model.name, client.stats)
+        if telemetry is not None:
+            # NOTE: no spans for each ASGI send/receive (one per streamed chunk), nor for probes and scrapes.
+            FastAPIInstrumentor.instrument_app(
+                app,
+                tracer_provider=telemetry.provider,
+                excluded_urls="/health,/metrics",
+                exclude_spans=["receive", "send"],
+            )
         uv_config = uvicorn.Config(
-            app, host=config.host, port=config.http_port, log_level="warning", access_log=False, lifespan="off"
+            app,
+            host=config.host,
+            port=config.http_port,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            ssl_certfile=config.tls.cert_file,
+            ssl_keyfile=config.tls.key_file,
         )
         http = _Uvicorn(uv_config)
         http_task = asyncio.ensure_future(http.serve())
@@ -132,6 +172,9 @@ async def serve(config: FrontendConfig) -> int:
         await asyncio.sleep(0.05)
     if http is not None and http_task is not None:
         http.should_exit = True
+        # NOTE: streams still open at the deadline must not hold the exit past the drain timeout (Kubernetes
+        # would SIGKILL us mid-cleanup): uvicorn then closes their connections instead of waiting for them.
+        http.force_exit = bool(pipeline.active)
         await http_task
     await server.stop(grace=2.0)
     await client.close()
@@ -142,6 +185,11 @@ async def serve(config: FrontendConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     configure_logging("frontend")
     config = parse_frontend_args(argv)
-    code = asyncio.run(serve(config))
+    telemetry = setup_tracing(config.tracing)
+    try:
+        code = asyncio.run(serve(config, telemetry))
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()  # NOTE: after the drain: the spans of the last requests are flushed
     ignore_late_signals()
     return code

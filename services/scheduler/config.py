@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from services.common.engine_flags import SCHEDULER_FIELDS, add_engine_flags, engine_config_from_args
 from services.common.flags import add_flag
+from services.common.telemetry import SCHEDULER_SERVICE_NAME, TracingSettings, add_tracing_flags
+from services.common.tls import TlsFiles
+from services.scheduler.executor import StepDeadline
 
 
 @dataclass
@@ -21,21 +24,38 @@ class SchedulerConfig:
     num_kv_blocks: int | None
     max_waiting_requests: int  # beyond this, Submit answers RESOURCE_EXHAUSTED
     worker_timeout: float  # seconds to wait for the workers at start (and after a worker failure)
-    step_timeout: float  # seconds one Execute may take before the worker counts as failed
+    step_timeout: float  # base seconds one Execute may take before the worker counts as failed (hung or dead)
+    step_timeout_per_token: float  # plus this much per scheduled token: the deadline scales with the step
+    heartbeat_interval: float  # idle: seconds between checks that every worker is alive and on our cache epoch
+    heartbeat_timeout: float
     drain_timeout: float
+    metrics_port: int  # Prometheus /metrics (-1: off)
+    tracing: TracingSettings
+    tls: TlsFiles
 
 
 def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
     p = argparse.ArgumentParser(prog="pagoda scheduler", description="Pagoda scheduler: continuous batching")
-    add_flag(p, "--host", default="0.0.0.0", help="address to bind")
+    add_flag(p, "--host", default="127.0.0.1", help="address to bind (internal: loopback unless told otherwise)")
     add_flag(p, "--scheduler-port", default=50052, type=int, help="gRPC port (0 picks a free one)")
     add_flag(p, "--worker-addrs", default="localhost:50053", help="comma-separated worker addresses, rank order")
     add_engine_flags(p, SCHEDULER_FIELDS)
     add_flag(p, "--max-waiting-requests", default=1024, type=int, help="queued requests before RESOURCE_EXHAUSTED")
     add_flag(p, "--worker-timeout", default=600.0, type=float, help="seconds to wait for workers to be ready")
-    add_flag(p, "--step-timeout", default=300.0, type=float, help="seconds one step may take")
-    add_flag(p, "--drain-timeout", default=60.0, type=float, help="seconds to finish in-flight requests on SIGTERM")
+    d = StepDeadline()
+    add_flag(p, "--step-timeout", default=d.base_s, type=float, help="base seconds of a step (then: worker hung)")
+    add_flag(p, "--step-timeout-per-token", default=d.per_token_s, type=float, help="extra step seconds per token")
+    add_flag(p, "--heartbeat-interval", default=2.0, type=float, help="idle seconds between worker heartbeats")
+    add_flag(p, "--heartbeat-timeout", default=5.0, type=float, help="seconds a worker has to answer a heartbeat")
+    add_flag(p, "--drain-timeout", default=20.0, type=float, help="seconds to finish in-flight requests on SIGTERM")
+    TlsFiles.add_flags(p)
+    add_flag(p, "--metrics-port", default=8001, type=int, help="Prometheus /metrics port on --host (-1 disables)")
+    add_tracing_flags(p)
     a = p.parse_args(argv)
+    try:
+        tls = TlsFiles.from_args(a)
+    except ValueError as e:
+        p.error(str(e))
     workers = [w.strip() for w in a.worker_addrs.split(",") if w.strip()]
     if not workers:
         p.error("--worker-addrs must name at least one worker")
@@ -55,5 +75,11 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
         max_waiting_requests=a.max_waiting_requests,
         worker_timeout=a.worker_timeout,
         step_timeout=a.step_timeout,
+        step_timeout_per_token=a.step_timeout_per_token,
+        heartbeat_interval=a.heartbeat_interval,
+        heartbeat_timeout=a.heartbeat_timeout,
         drain_timeout=a.drain_timeout,
+        metrics_port=a.metrics_port,
+        tracing=TracingSettings.from_args(a, SCHEDULER_SERVICE_NAME),
+        tls=tls,
     )

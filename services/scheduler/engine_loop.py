@@ -8,6 +8,7 @@ output handling of step N overlaps the execution of step N+1.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -16,15 +17,19 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
+from prometheus_client import CollectorRegistry
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from engine_core.request import FinishReason, Request
 from engine_core.seq_output import SeqOutput, ending_outputs
 from engine_core.stats import EngineStats
+from services.common.telemetry import Telemetry
 from services.common.timeutil import monotonic_to_ns
 from services.scheduler.config import SchedulerConfig
-from services.scheduler.executor import RemoteExecutor, WorkerGroupInfo, WorkerMismatchError
+from services.scheduler.executor import RemoteExecutor, StepDeadline, WorkerGroupInfo, WorkerMismatchError
+from services.scheduler.metrics import StepMetrics
+from services.scheduler.tracing import StepTracer
 
 log = structlog.get_logger(__name__)
 
@@ -37,6 +42,11 @@ class RequestEvent:
     outputs: list[SeqOutput] = field(default_factory=list)
     finished: bool = False
     error: str = ""
+    # The gRPC status that ends the request's stream when it failed: UNAVAILABLE (retryable: a worker failed or
+    # hung) or INTERNAL (this request's handling raised).
+    error_code: str = ""
+    # The engine request this event belongs to: a stale event never reaches a newer request that reuses the id.
+    request: Request | None = None
     scheduled_ns: int = 0
     first_token_ns: int = 0
     finished_ns: int = 0
@@ -60,12 +70,12 @@ class _Add:
 
 @dataclass
 class _Abort:
-    request_id: str
+    request: Request  # NOTE: by object, not id: an abort never reaches a newer request that reuses the id
 
 
 @dataclass
 class _FinishChoice:
-    request_id: str
+    request: Request
     index: int
     stop: str
 
@@ -77,14 +87,27 @@ class _Stop:
 
 _Command = _Add | _Abort | _FinishChoice | _Stop
 Publish = Callable[[list[RequestEvent]], None]
+Events = dict[Request, RequestEvent]
 
 
 class EngineLoop:
-    def __init__(self, config: SchedulerConfig, publish: Publish, on_ready: Callable[[bool], None]) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        publish: Publish,
+        on_ready: Callable[[bool], None],
+        telemetry: Telemetry | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.config = config
         self.publish = publish
         self.on_ready = on_ready
-        self.executor = RemoteExecutor(config.worker_addrs, config.step_timeout)
+        self.registry = registry
+        self.executor = RemoteExecutor(
+            config.worker_addrs, StepDeadline(config.step_timeout, config.step_timeout_per_token), config.tls
+        )
+        if telemetry is not None and telemetry.detailed:
+            self.executor.step_tracer = StepTracer(telemetry.tracer)
         self.info: WorkerGroupInfo | None = None
         self.core: EngineCore | None = None
         self.stats = SchedulerStats()  # NOTE: replaced whole after each iteration, so readers see one snapshot
@@ -96,6 +119,7 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal: BaseException | None = None
+        self.failures = 0  # worker failures, hangs and failed steps recovered from
 
     # ---- called from any thread -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -104,11 +128,11 @@ class EngineLoop:
     def add(self, request: Request) -> None:
         self._commands.put(_Add(request))
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+    def abort(self, request: Request) -> None:
+        self._commands.put(_Abort(request))
 
-    def finish_choice(self, request_id: str, index: int, stop: str) -> None:
-        self._commands.put(_FinishChoice(request_id, index, stop))
+    def finish_choice(self, request: Request, index: int, stop: str) -> None:
+        self._commands.put(_FinishChoice(request, index, stop))
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True  # NOTE: also ends a start-up still waiting for the workers
@@ -129,7 +153,7 @@ class EngineLoop:
         except BaseException as e:  # NOTE: a dead engine thread must be visible, never a silent hang
             self.fatal = e
             log.exception("engine loop crashed")
-            self._fail_all(f"scheduler failure: {e}")
+            self._fail_all(f"scheduler failure: {e}", "UNAVAILABLE")
             self.on_ready(False)
 
     def _init_engine(self) -> None:
@@ -160,6 +184,8 @@ class EngineLoop:
             num_kv_blocks=num_blocks,
         )
         core = EngineCore(engine_config, self.executor, info.max_model_len, num_blocks)
+        if self.registry is not None and self.executor.step_metrics is None:
+            self.executor.step_metrics = StepMetrics(self.registry, info.model)
         self.info, self.core = info, core
         self._publish_stats()
         log.info("engine ready", workers=len(self.config.worker_addrs), blocks=num_blocks, model=info.model)
@@ -168,50 +194,91 @@ class EngineLoop:
     def _iteration(self) -> None:
         core = self.core
         assert core is not None
-        events: dict[str, RequestEvent] = {}
-        for cmd in self._take_commands(block=not core.has_unfinished):
-            self._apply(core, cmd, events)
-        if self._stopping:
+        events: Events = {}
+        idle = not core.has_unfinished
+        cmds = self._take_commands(block_s=self.config.heartbeat_interval if idle else None)
+        for cmd in cmds:
+            self._apply_isolated(core, cmd, events)
+        if self._stopping or (idle and not cmds):
+            self._flush(events)
+            if not self._stopping:
+                self._heartbeat()
             return
         t0 = time.perf_counter()
         self.executor.last_worker_s = 0.0
         try:
             outputs = core.step()
         except grpc.RpcError as e:
-            self._recover(f"worker failure: {e.code().name}: {e.details()}")
+            self._flush(events)
+            self._recover(f"worker failure: {e.code().name}: {e.details()}", "UNAVAILABLE")
+            return
+        except Exception as e:
+            # NOTE: an engine or conversion bug: the core's state is suspect, so the requests it holds fail (with
+            # INTERNAL) and it is rebuilt; the scheduler itself keeps serving.
+            log.exception("step failed")
+            self._flush(events)
+            self._recover(f"scheduler step failed: {type(e).__name__}: {e}", "INTERNAL")
             return
         if self.executor.last_worker_s:
             self._steps += 1
             self._step_s += time.perf_counter() - t0
             self._worker_s += self.executor.last_worker_s
         for out in outputs:
-            self._event(events, out.request_id).outputs.append(out)
-        for request_id, event in events.items():
-            request = self._requests.get(request_id)
-            if request is None:
-                continue
-            if not core.has_request(request_id):
+            owner = self._requests.get(out.request_id)  # NOTE: step outputs belong to the request in the core
+            if owner is not None:
+                self._event(events, owner).outputs.append(out)
+        for request, event in events.items():
+            if self._requests.get(request.request_id) is not request:
+                continue  # ended by a command (abort, error): its event is already final
+            if not core.has_request(request.request_id):
                 event.finished = True
-                del self._requests[request_id]
+                del self._requests[request.request_id]
             t = request.timings
             event.scheduled_ns = monotonic_to_ns(t.first_scheduled)
             event.first_token_ns = monotonic_to_ns(t.first_token)
             event.finished_ns = monotonic_to_ns(t.finished)
-        if events:
-            self.publish(list(events.values()))
+        self._flush(events)
         self._publish_stats()
 
-    def _take_commands(self, block: bool) -> list[_Command]:
+    def _flush(self, events: Events) -> None:
+        if events:
+            self.publish(list(events.values()))
+
+    def _heartbeat(self) -> None:
+        """Idle: is every worker alive, answering and still on our cache epoch? (A step's deadline covers busy.)"""
+        problem = self.executor.heartbeat(self.config.heartbeat_timeout)
+        if problem:
+            self._recover(f"worker failure: {problem}", "UNAVAILABLE")
+
+    def _take_commands(self, block_s: float | None) -> list[_Command]:
+        """Every queued command; when idle (`block_s`), waits up to that long for the first one."""
         cmds: list[_Command] = []
-        if block:
-            cmds.append(self._commands.get())
+        if block_s is not None:
+            try:
+                cmds.append(self._commands.get(timeout=block_s))
+            except queue.Empty:
+                return cmds
         while True:
             try:
                 cmds.append(self._commands.get_nowait())
             except queue.Empty:
                 return cmds
 
-    def _apply(self, core: EngineCore, cmd: _Command, events: dict[str, RequestEvent]) -> None:
+    def _apply_isolated(self, core: EngineCore, cmd: _Command, events: Events) -> None:
+        """Applies one command; if handling it raises, only its request fails (INTERNAL), never the loop."""
+        try:
+            self._apply(core, cmd, events)
+        except Exception as e:
+            request = getattr(cmd, "request", None)
+            log.exception("command failed", command=type(cmd).__name__)
+            if request is None:
+                return
+            if self._requests.get(request.request_id) is request:
+                with contextlib.suppress(Exception):  # NOTE: best effort: free its blocks if the core can
+                    core.abort(request.request_id)
+            self._fail(request, f"failed while handling the request: {type(e).__name__}: {e}", "INTERNAL", events)
+
+    def _apply(self, core: EngineCore, cmd: _Command, events: Events) -> None:
         if isinstance(cmd, _Stop):
             self._stopping = True
         elif isinstance(cmd, _Add):
@@ -219,53 +286,77 @@ class EngineLoop:
             try:
                 core.add_request(request)
             except ValueError as e:  # NOTE: the server validates first; this is the last line of defence
-                event = self._event(events, request.request_id)
-                event.error = str(e)
-                event.outputs = ending_outputs(request, FinishReason.ERROR)
-                event.finished = True
+                self._fail(request, str(e), "INVALID_ARGUMENT", events)
                 return
             self._requests[request.request_id] = request
         elif isinstance(cmd, _Abort):
-            request = self._requests.get(cmd.request_id)
-            if request is not None:
-                self._end(request, core.abort(cmd.request_id), events)
-        elif isinstance(cmd, _FinishChoice):
-            outs = core.finish_choice(cmd.request_id, cmd.index, FinishReason.STOP_STRING, cmd.stop)
-            if outs:
-                self._event(events, cmd.request_id).outputs.extend(outs)
+            request = cmd.request
+            if self._requests.get(request.request_id) is request:
+                self._end(request, core.abort(request.request_id), events)
+        elif isinstance(cmd, _FinishChoice) and self._requests.get(cmd.request.request_id) is cmd.request:
+            outs = core.finish_choice(cmd.request.request_id, cmd.index, FinishReason.STOP_STRING, cmd.stop)
+            self._event(events, cmd.request).outputs.extend(outs)
 
-    def _end(self, request: Request, outputs: list[SeqOutput], events: dict[str, RequestEvent]) -> None:
+    def _end(self, request: Request, outputs: list[SeqOutput], events: Events) -> None:
         """Reports a request that ended outside a step (abort, error) with its last outputs."""
-        event = self._event(events, request.request_id)
+        event = self._event(events, request)
         event.outputs.extend(outputs)
         event.finished = True
-        self._requests.pop(request.request_id, None)
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+
+    def _fail(self, request: Request, error: str, code: str, events: Events) -> None:
+        event = self._event(events, request)
+        event.error, event.error_code = error, code
+        # NOTE: the core may be broken (a worker failed mid-step): the outputs come from the request alone.
+        self._end(request, ending_outputs(request, FinishReason.ERROR), events)
 
     @staticmethod
-    def _event(events: dict[str, RequestEvent], request_id: str) -> RequestEvent:
-        event = events.get(request_id)
+    def _event(events: Events, request: Request) -> RequestEvent:
+        """The event of this request object. NOTE: keyed by object, not id: an aborted request and a new one that
+        reuses its id in the same iteration get separate events (one ABORT, one running)."""
+        event = events.get(request)
         if event is None:
-            event = events[request_id] = RequestEvent(request_id)
+            event = events[request] = RequestEvent(request.request_id, request=request)
         return event
 
-    def _fail_all(self, error: str) -> None:
-        events: dict[str, RequestEvent] = {}
+    def _fail_all(self, error: str, code: str = "INTERNAL", keep_unscheduled: bool = False) -> list[Request]:
+        """Fails every request in flight; with `keep_unscheduled`, those never scheduled are returned instead (a
+        worker failure did not touch them: they run on the next engine)."""
+        events: Events = {}
+        kept: list[Request] = []
         for request in list(self._requests.values()):
-            # NOTE: the core may be broken (a worker failed mid-step): the outputs come from the request alone.
-            self._event(events, request.request_id).error = error
-            self._end(request, ending_outputs(request, FinishReason.ERROR), events)
-        if events:
-            self.publish(list(events.values()))
+            if keep_unscheduled and request.timings.first_scheduled is None:
+                kept.append(request)
+                del self._requests[request.request_id]
+            else:
+                self._fail(request, error, code, events)
+        self._flush(events)
+        return kept
 
-    def _recover(self, error: str) -> None:
-        """A worker failed mid-step: its cache and batch are gone, so every request in flight fails; then the
-        workers are re-initialized under a new epoch and a fresh EngineCore (empty prefix cache) takes over."""
-        log.error("step failed: failing in-flight requests and re-initializing the workers", error=error)
+    def _recover(self, error: str, code: str) -> None:
+        """A worker failed, hung or a step raised: the requests that ran on the workers fail (UNAVAILABLE: retry);
+        the workers are reset under a new epoch (same cache size) and a fresh EngineCore (empty prefix cache) takes
+        over, with the requests that were still queued. Waits for the workers to come back (a restarted worker)."""
+        log.error("failing the affected requests and re-initializing the workers", error=error)
+        self.failures += 1
         self.on_ready(False)
-        self._fail_all(error)
+        kept = self._fail_all(error, code, keep_unscheduled=True)
         self.core = None
         self._publish_stats()
         self._init_engine()
+        core = self.core
+        if core is None:  # stopping
+            self._fail_all(error, code)
+            for request in kept:
+                self._fail(request, error, code, {})
+            return
+        events: Events = {}
+        for request in kept:
+            # NOTE: a fresh engine: the request's seqs belonged to the old one (never scheduled, so no state lost).
+            request.seqs = []
+            self._apply_isolated(core, _Add(request), events)
+        self._flush(events)
 
     def _publish_stats(self) -> None:
         core = self.core

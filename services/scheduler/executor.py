@@ -12,12 +12,17 @@ from dataclasses import dataclass
 
 import grpc
 import structlog
+from opentelemetry.trace import Span
 
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from services.common.grpc_opts import CHANNEL_OPTIONS
 from services.common.health import wait_serving
+from services.common.tls import TlsFiles, sync_channel
+from services.common.trace import TraceContext
 from services.convert.plan import plan_to_proto, result_from_proto
 from services.rpc import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
+from services.scheduler.metrics import StepMetrics
+from services.scheduler.tracing import StepTracer
 
 log = structlog.get_logger(__name__)
 
@@ -39,21 +44,42 @@ class WorkerMismatchError(RuntimeError):
     pass
 
 
+# NOTE: the first steps of a fresh cache may compile kernels (Triton JIT, first-use native builds): they get this
+# much time at least, so a slow warm-up is not mistaken for a hung worker.
+WARMUP_STEPS = 4
+WARMUP_STEP_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class StepDeadline:
+    """How long one Execute may take: a base plus a part per scheduled token (a long prefill takes longer)."""
+
+    base_s: float = 15.0
+    per_token_s: float = 0.02
+
+    def for_step(self, step: int, num_tokens: int) -> float:
+        timeout = self.base_s + self.per_token_s * num_tokens
+        return max(timeout, WARMUP_STEP_TIMEOUT_S) if step < WARMUP_STEPS else timeout
+
+
 class RemoteExecutor:
-    def __init__(self, addrs: list[str], step_timeout: float) -> None:
+    def __init__(self, addrs: list[str], deadline: StepDeadline, tls: TlsFiles | None = None) -> None:
         self.addrs = addrs
-        self.step_timeout = step_timeout
-        self._channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in addrs]
+        self.deadline = deadline
+        self.tls = tls or TlsFiles()
+        self._channels = [sync_channel(a, self.tls, CHANNEL_OPTIONS) for a in addrs]
         self._stubs = [worker_pb2_grpc.WorkerStub(c) for c in self._channels]
         self.epoch = ""
         self.step = 0
         self.last_worker_s = 0.0  # the worker's own time on the last step (the rest is transport)
+        self.step_tracer: StepTracer | None = None  # detailed traces only
+        self.step_metrics: StepMetrics | None = None
 
     def connect(self, timeout: float) -> WorkerGroupInfo:
         """Waits for every rank to be SERVING and checks that they run the same model the same way."""
         deadline = time.monotonic() + timeout
         for addr in self.addrs:
-            wait_serving(addr, WORKER_SERVICE, timeout=max(1.0, deadline - time.monotonic()))
+            wait_serving(addr, WORKER_SERVICE, timeout=max(1.0, deadline - time.monotonic()), tls=self.tls)
         profiles = [stub.Profile(worker_pb2.ProfileRequest(), timeout=60.0) for stub in self._stubs]
         first = profiles[0]
         for addr, prof in zip(self.addrs, profiles, strict=True):
@@ -76,29 +102,55 @@ class RemoteExecutor:
         """Allocates the cache on every rank under a fresh epoch (a restarted worker cannot run stale steps)."""
         self.epoch = uuid.uuid4().hex
         self.step = 0
+        if self.step_tracer is not None:
+            self.step_tracer.reset()
         world = len(self._stubs)
         for rank, stub in enumerate(self._stubs):
             req = worker_pb2.InitCacheRequest(num_blocks=num_blocks, rank=rank, world_size=world, epoch=self.epoch)
             stub.InitCache(req, timeout=120.0)
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        span = self.step_tracer.start(plan, self.step) if self.step_tracer is not None else None
+        if self.step_metrics is not None:
+            self.step_metrics.observe(plan.total_num_scheduled_tokens)
+        try:
+            return self._execute(plan, span)
+        finally:
+            if span is not None:
+                span.end()
+
+    def _execute(self, plan: SchedulerOutput, span: Span | None) -> ModelRunnerOutput:
         req = plan_to_proto(plan, epoch=self.epoch, step=self.step)
+        timeout = self.deadline.for_step(self.step, plan.total_num_scheduled_tokens)
         self.step += 1
         req.return_samples = True
+        if span is not None:
+            req.trace.CopyFrom(TraceContext.of_span(span).to_proto())
         if len(self._stubs) == 1:
-            resp = self._stubs[0].Execute(req, timeout=self.step_timeout)
+            resp = self._stubs[0].Execute(req, timeout=timeout)
         else:
             # NOTE: futures: the ranks run concurrently; the step is as slow as the slowest rank.
             others = worker_pb2.ExecuteRequest()
             others.CopyFrom(req)
             others.return_samples = False
-            futures = [self._stubs[0].Execute.future(req, timeout=self.step_timeout)]
-            futures += [s.Execute.future(others, timeout=self.step_timeout) for s in self._stubs[1:]]
+            futures = [self._stubs[0].Execute.future(req, timeout=timeout)]
+            futures += [s.Execute.future(others, timeout=timeout) for s in self._stubs[1:]]
             for f in futures[1:]:
                 f.result()
             resp = futures[0].result()
         self.last_worker_s = resp.execute_s
         return result_from_proto(resp)
+
+    def heartbeat(self, timeout: float) -> str | None:
+        """None when every rank answers on our epoch; else what is wrong (dead, hung, restarted or reset)."""
+        for addr, stub in zip(self.addrs, self._stubs, strict=True):
+            try:
+                resp = stub.Heartbeat(worker_pb2.HeartbeatRequest(), timeout=timeout)
+            except grpc.RpcError as e:
+                return f"worker {addr} does not answer: {e.code().name}"
+            if resp.epoch != self.epoch:
+                return f"worker {addr} lost its cache (restarted or reset)"
+        return None
 
     def close(self) -> None:
         for channel in self._channels:

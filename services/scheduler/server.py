@@ -12,39 +12,70 @@ from collections.abc import AsyncIterator
 
 import grpc
 import structlog
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import Span
+from prometheus_client import CollectorRegistry
 
 from engine_core.prompt_checks import check_token_ids
 from engine_core.request import Request
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
+from services.common.metrics import EngineStatsCollector, serve_metrics
 from services.common.signals import ignore_late_signals, shutdown_event
+from services.common.telemetry import Telemetry, setup_tracing
 from services.common.timeutil import now_ns
+from services.common.tls import add_port
 from services.common.trace import TraceContext
 from services.convert.outputs import seq_output_to_proto
 from services.convert.params import params_from_proto
+from services.convert.ranges import check_wire_ranges
 from services.rpc import SCHEDULER_SERVICE, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerConfig, parse_scheduler_args
 from services.scheduler.engine_loop import EngineLoop, RequestEvent
+from services.scheduler.tracing import record_request
 
 log = structlog.get_logger(__name__)
 
+_STATUS = {
+    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    "INTERNAL": grpc.StatusCode.INTERNAL,
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+}
+
 
 class _Stream:
-    """One Submit call: its outbox and the timestamps the frontend sent."""
+    """One Submit call: its outbox, the timestamps the frontend sent, and (tracing on) its server span."""
 
-    def __init__(self, timestamps: common_pb2.RequestTimestamps, trace: common_pb2.TraceContext) -> None:
+    def __init__(
+        self,
+        request: Request,
+        timestamps: common_pb2.RequestTimestamps,
+        trace: common_pb2.TraceContext,
+        owner: str,
+        span: Span | None,
+    ) -> None:
+        self.request = request  # NOTE: events and commands match by this object, so a reused id never mixes
         self.queue: asyncio.Queue[scheduler_pb2.SubmitResponse] = asyncio.Queue()
         self.timestamps = timestamps
         self.trace = trace
+        self.owner = owner  # the tenant that submitted it: only it may abort it
+        self.span = span
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, config: SchedulerConfig, health: ServiceHealth) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        health: ServiceHealth,
+        telemetry: Telemetry | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.config = config
         self.health = health
+        self.telemetry = telemetry
         self.loop = asyncio.get_running_loop()
-        self.engine = EngineLoop(config, self._publish_threadsafe, self._on_ready_threadsafe)
+        self.engine = EngineLoop(config, self._publish_threadsafe, self._on_ready_threadsafe, telemetry, registry)
         self.streams: dict[str, _Stream] = {}
         self.ready = False
         self.draining = False
@@ -70,23 +101,34 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _dispatch(self, events: list[RequestEvent]) -> None:
         for event in events:
             stream = self.streams.get(event.request_id)
-            if stream is None:
-                continue  # the caller went away; its abort is already queued
-            ts = common_pb2.RequestTimestamps()
-            ts.CopyFrom(stream.timestamps)
-            ts.scheduled_ns, ts.first_token_ns, ts.finished_ns = (
-                event.scheduled_ns,
-                event.first_token_ns,
-                event.finished_ns,
-            )
-            msg = scheduler_pb2.SubmitResponse(
-                outputs=[seq_output_to_proto(o) for o in event.outputs],
-                finished=event.finished,
-                trace=stream.trace,
-                timestamps=ts,
-                error=event.error,
-            )
-            stream.queue.put_nowait(msg)
+            if stream is None or (event.request is not None and event.request is not stream.request):
+                continue  # the caller went away (its abort is already queued), or a stale event of a reused id
+            try:
+                stream.queue.put_nowait(self._message(stream, event))
+            except Exception as e:  # NOTE: one request's bad output fails that request alone
+                log.exception("could not convert an event", request_id=event.request_id)
+                stream.queue.put_nowait(
+                    scheduler_pb2.SubmitResponse(finished=True, error=f"bad output: {e}", error_code="INTERNAL")
+                )
+                self.engine.abort(stream.request)
+
+    @staticmethod
+    def _message(stream: _Stream, event: RequestEvent) -> scheduler_pb2.SubmitResponse:
+        ts = common_pb2.RequestTimestamps()
+        ts.CopyFrom(stream.timestamps)
+        ts.scheduled_ns, ts.first_token_ns, ts.finished_ns = (
+            event.scheduled_ns,
+            event.first_token_ns,
+            event.finished_ns,
+        )
+        return scheduler_pb2.SubmitResponse(
+            outputs=[seq_output_to_proto(o) for o in event.outputs],
+            finished=event.finished,
+            trace=stream.trace,
+            timestamps=ts,
+            error=event.error,
+            error_code=event.error_code,
+        )
 
     # ---- RPCs ---------------------------------------------------------------------------------------------------
     async def _validate(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext) -> Request:
@@ -112,6 +154,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             params = params_from_proto(request.sampling, internal=True)
             params.validate_vocab(info.vocab_size)
+            check_wire_ranges(params)  # NOTE: seed + n - 1 must fit the step message's int64
             check_token_ids(request.prompt_token_ids, info.vocab_size)
             # NOTE: the engine's own admission limits (frozen RequestLimits, so safe from this thread), checked here
             # so a bad request fails its RPC instead of failing later on the engine thread.
@@ -135,38 +178,72 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         ts = common_pb2.RequestTimestamps()
         ts.CopyFrom(request.timestamps)
         ts.queued_ns = now_ns()
-        stream = self.streams[rid] = _Stream(ts, request.trace)
+        span = None
+        if self.telemetry is not None:
+            # NOTE: the interceptor's server span (child of the frontend's call) is current here; it becomes the
+            # request's context, which the step spans link to and the worker receives.
+            span = otel_trace.get_current_span()
+            tc = TraceContext.of_span(span)
+            if tc.traceparent:
+                engine_request.trace_context = tc.as_dict()
+        stream = self.streams[rid] = _Stream(engine_request, ts, request.trace, request.owner, span)
         self.engine.add(engine_request)
         finished = False
         try:
+            # NOTE: an empty first message says "admitted": the frontend can answer HTTP 200 (or fail with 429/503
+            # before any byte of the stream) without waiting for the first token.
+            yield scheduler_pb2.SubmitResponse(trace=request.trace, timestamps=ts)
             while not finished:
                 msg = await stream.queue.get()
                 finished = msg.finished
+                if finished and span is not None and self.telemetry is not None:
+                    # NOTE: before the last message: the interceptor ends the span when the stream ends.
+                    record_request(self.telemetry.tracer, span, engine_request)
+                if finished and msg.error_code:
+                    # NOTE: a failed request ends with its status (UNAVAILABLE: retry; INTERNAL), not OK + error.
+                    await context.abort(_STATUS.get(msg.error_code, grpc.StatusCode.INTERNAL), msg.error)
                 yield msg
         finally:
-            self.streams.pop(rid, None)
+            if self.streams.get(rid) is stream:
+                del self.streams[rid]
             if not finished:
                 # NOTE: the caller cancelled (or its frontend died): free the request's blocks now.
-                self.engine.abort(rid)
+                self.engine.abort(engine_request)
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        found = request.request_id in self.streams
+        stream = self.streams.get(request.request_id)
+        # NOTE: another tenant's request answers found=False, exactly like an unknown id (nothing is revealed).
+        found = stream is not None and stream.owner == request.owner
         if found:
-            self.engine.abort(request.request_id)
+            assert stream is not None
+            self.engine.abort(stream.request)
         return common_pb2.AbortResponse(found=found)
 
     async def FinishChoice(
         self, request: scheduler_pb2.FinishChoiceRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishChoiceResponse:
-        if request.request_id in self.streams:
-            self.engine.finish_choice(request.request_id, request.index, request.stop)
+        stream = self.streams.get(request.request_id)
+        if stream is not None:
+            self.engine.finish_choice(stream.request, request.index, request.stop)
         return scheduler_pb2.FinishChoiceResponse()
 
     async def Stats(
         self, request: scheduler_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.StatsResponse:
+        return self.stats_response()
+
+    def metrics_snapshot(self) -> scheduler_pb2.StatsResponse | None:
+        """What /metrics exports (from the metrics server's thread): nothing until the engine is ready."""
+        return self.stats_response() if self.engine.stats.ready else None
+
+    def model_name(self) -> str:
+        info = self.engine.info
+        return info.model if info is not None else ""
+
+    def stats_response(self) -> scheduler_pb2.StatsResponse:
+        """The Stats RPC's answer; also what the scheduler's /metrics reads (from the metrics server's thread)."""
         s = self.engine.stats
         e = s.engine
         return scheduler_pb2.StatsResponse(
@@ -184,6 +261,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             draining=self.draining,
             step_seconds=s.step_seconds,
             worker_seconds=s.worker_seconds,
+            running_requests=e.running_requests,
+            waiting_requests=e.waiting_requests,
         )
 
     async def Info(
@@ -215,19 +294,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await asyncio.sleep(0.05)
         if self.streams:
             log.warning("drain timed out: aborting", in_flight=len(self.streams))
-            for rid in list(self.streams):
-                self.engine.abort(rid)
+            for stream in list(self.streams.values()):
+                self.engine.abort(stream.request)
             await asyncio.sleep(0.5)
         await asyncio.to_thread(self.engine.stop)
 
 
-async def serve(config: SchedulerConfig) -> int:
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+async def serve(config: SchedulerConfig, telemetry: Telemetry | None = None) -> int:
+    server = grpc.aio.server(
+        options=SERVER_OPTIONS, interceptors=telemetry.server_interceptors() if telemetry is not None else None
+    )
     health = ServiceHealth(server, [SCHEDULER_SERVICE])
     await health.set_serving(False)
-    servicer = SchedulerServicer(config, health)
+    registry = CollectorRegistry()
+    servicer = SchedulerServicer(config, health, telemetry, registry)
+    registry.register(EngineStatsCollector(servicer.metrics_snapshot, servicer.model_name))
+    serve_metrics(config.host, config.metrics_port, registry)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
     await server.start()
     log.info("scheduler listening", addr=f"{config.host}:{port}", workers=config.worker_addrs)
     servicer.engine.start()
@@ -247,6 +331,11 @@ async def serve(config: SchedulerConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     configure_logging("scheduler")
     config = parse_scheduler_args(argv)
-    code = asyncio.run(serve(config))
+    telemetry = setup_tracing(config.tracing)
+    try:
+        code = asyncio.run(serve(config, telemetry))
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()  # NOTE: after the drain: the last requests' spans are flushed
     ignore_late_signals()
     return code

@@ -13,16 +13,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
+from prometheus_client import CollectorRegistry
 
 from engine_core.model_files import model_name, resolve_model_dir
 from engine_core.model_runner import ModelRunner
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
+from services.common.metrics import serve_metrics
 from services.common.signals import ignore_late_signals, shutdown_event
+from services.common.telemetry import Telemetry, setup_tracing
+from services.common.tls import add_port
 from services.convert.plan import plan_from_proto, result_to_proto
 from services.rpc import WORKER_SERVICE, worker_pb2, worker_pb2_grpc
 from services.worker.config import WorkerConfig, parse_worker_args
+from services.worker.metrics import WorkerMetrics
+from services.worker.tracing import record_execute
 
 log = structlog.get_logger(__name__)
 
@@ -32,13 +38,19 @@ class StepError(Exception):
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(
+        self, config: WorkerConfig, metrics: WorkerMetrics | None = None, telemetry: Telemetry | None = None
+    ) -> None:
         self.config = config
+        self.metrics = metrics
+        self.telemetry = telemetry
         self.runner: ModelRunner | None = None
         self.model_dir: str | None = None
         self.epoch = ""
         self.num_blocks = 0
+        self.rank = 0  # from InitCache: an attribute of this worker's Execute spans
         self.next_step = 0
+        self.profiled_blocks: int | None = None
         self.last_step_at = time.monotonic()
         # NOTE: one thread owns the runner: steps are strictly ordered and torch runs outside the event loop.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
@@ -64,11 +76,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_model_len=runner.max_model_len,
             block_size=engine.block_size,
             max_num_seqs=engine.max_num_seqs,
-            num_kv_blocks=runner.profile_num_blocks(),
+            num_kv_blocks=self._profile(runner),
             block_bytes=info.block_bytes,
             device=engine.device,
             dtype=engine.dtype,
         )
+
+    def _profile(self, runner: ModelRunner) -> int:
+        """Blocks that fit, measured once. NOTE: re-measured with the cache allocated, free GPU memory would omit
+        the cache itself and the cache would shrink at every re-initialization."""
+        if self.profiled_blocks is None or not self.num_blocks:
+            self.profiled_blocks = runner.profile_num_blocks()
+        return self.profiled_blocks
+
+    async def Heartbeat(
+        self, request: worker_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.HeartbeatResponse:
+        return worker_pb2.HeartbeatResponse(epoch=self.epoch, next_step=self.next_step)
 
     async def InitCache(
         self, request: worker_pb2.InitCacheRequest, context: grpc.aio.ServicerContext
@@ -84,11 +108,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def _init_cache(self, request: worker_pb2.InitCacheRequest) -> None:
         runner = self.runner
         assert runner is not None
-        runner.reset()  # NOTE: a new scheduler (epoch) restarts sequence ids: forget every sequence of the last one
+        # NOTE: a new epoch (a new scheduler, or recovery after a failed step) restarts sequence ids: forget every
+        # sequence of the previous one, including any row a failed step left half-added.
+        runner.reset()
         if request.num_blocks != self.num_blocks:
             runner.init_kv_cache(request.num_blocks)
             self.num_blocks = request.num_blocks
         self.epoch = request.epoch
+        self.rank = request.rank
         self.next_step = 0
 
     async def Execute(
@@ -121,17 +148,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self.epoch = ""  # NOTE: the persistent batch may be half-updated: refuse steps until re-initialized
             raise
         resp = result_to_proto(out) if request.return_samples else worker_pb2.ExecuteResponse()
-        resp.execute_s = time.perf_counter() - t0
+        end = time.perf_counter()
+        resp.execute_s = end - t0
+        if self.metrics is not None:
+            self.metrics.observe_step(resp.execute_s, len(request.scheduled_seq_ids), plan.total_num_scheduled_tokens)
+        if self.telemetry is not None and request.trace.traceparent:
+            record_execute(self.telemetry.tracer, request, self.runner.last_timings, self.rank, end)
         return resp
 
 
-async def serve(config: WorkerConfig) -> None:
+async def serve(config: WorkerConfig, telemetry: Telemetry | None = None) -> None:
+    # NOTE: no tracing interceptor: only steps the scheduler traced carry a context (see services/worker/tracing.py).
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    servicer = WorkerServicer(config)
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, model_name(config.engine.model))
+    serve_metrics(config.host, config.metrics_port, registry)
+    servicer = WorkerServicer(config, metrics, telemetry)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = ServiceHealth(server, [WORKER_SERVICE])
     await health.set_serving(False)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
     await server.start()
     log.info("worker listening", addr=f"{config.host}:{port}")
     stop = shutdown_event()
@@ -155,6 +191,11 @@ async def serve(config: WorkerConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     configure_logging("worker")
     config = parse_worker_args(argv)
-    asyncio.run(serve(config))
+    telemetry = setup_tracing(config.tracing)
+    try:
+        asyncio.run(serve(config, telemetry))
+    finally:
+        if telemetry is not None:
+            telemetry.shutdown()  # NOTE: after the drain: the last steps' spans are flushed
     ignore_late_signals()
     return 0

@@ -33,6 +33,7 @@ def cluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         num_threads=1,
         max_num_seqs=64,
         log_dir=str(log_dir),
+        metrics_port=-1,  # NOTE: the fixed defaults (8001, 8002) would clash between concurrent test runs
     )
     c = LocalCluster(config)
     c.start()

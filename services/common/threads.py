@@ -1,0 +1,59 @@
+"""CPU threads of each `pagoda serve` process: the worker's compute team, and the control processes kept off it.
+
+The scheduler and the frontend do Python bookkeeping, tokenization and streaming; they never need torch's intra-op
+parallelism. Left at torch's defaults they would each own an OpenMP team as large as the machine, whose idle threads
+spin (GNU OpenMP spins ~300,000 iterations, measured ~6 ms of CPU, after every parallel region) on the cores the
+worker computes on. So both run with one intra-op thread and a passive OpenMP wait policy.
+
+The worker keeps a team as large as its cores but waits passively too: it shares those cores with the scheduler and
+the frontend (and, in a pod, a CPU quota), and a spinning thread at a barrier burns the time slice that its
+descheduled partner needs. Measured on 2 cores while other processes competed (docs/benchmarks.md): batch-1 decode
+through `LLM.generate` with 2 threads took 647-1538 ms/token spinning, 54-81 passive (1 thread: 82-138).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# NOTE: read by libgomp / MKL when torch is first imported, hence set before any service module is imported.
+CONTROL_PROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+# NOTE: applied only when the user set neither variable (GOMP_SPINCOUNT=300000 restores libgomp's default spinning).
+WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity: a container's cpuset, `taskset`), not the host's count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def default_worker_threads(num_workers: int = 1) -> int:
+    """Torch threads per worker of `pagoda serve`: the usable cores shared by the workers, none held back.
+
+    NOTE: measured on 2 cores (docs/benchmarks.md, "`pagoda serve` thread placement"): holding a core back for the
+    scheduler and frontend (the old default, cores - 1) cost 38 % of the throughput at 64 streams (243 vs 390 total
+    tok/s), while those two processes use a fraction of one core (CPU seconds per 1,000 tokens in
+    benchmarks/side_by_side.py) once they neither spin nor run OpenMP teams of their own.
+    """
+    return max(1, usable_cores() // max(1, num_workers))
+
+
+def limit_control_process_threads() -> None:
+    """For the scheduler and frontend processes: one intra-op thread, no spinning (user settings win)."""
+    for key, value in CONTROL_PROCESS_ENV.items():
+        os.environ.setdefault(key, value)
+    torch = sys.modules.get("torch")
+    if torch is not None:  # already imported (the env came too late for it): cap the team directly
+        torch.set_num_threads(1)
+
+
+def configure_worker_threads() -> None:
+    """For worker processes, before torch loads: passive OpenMP waiting unless the user chose a wait policy."""
+    if not any(v in os.environ for v in _WAIT_VARS):
+        os.environ.update(WORKER_ENV)

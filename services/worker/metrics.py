@@ -1,0 +1,44 @@
+"""The worker's Prometheus metrics (served on `--metrics-port`): step duration and batch size."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+
+from services.common.metrics import (
+    BATCH_SIZE_BUCKETS,
+    ITERATION_TOKEN_BUCKETS,
+    MODEL_LABEL,
+    PREFIX,
+    STEP_SECONDS_BUCKETS,
+)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.step_duration = Histogram(
+            PREFIX + "worker_step_duration_seconds",
+            "Time the worker spent on one step (deltas, inputs, forward pass, sampling).",
+            [MODEL_LABEL],
+            buckets=STEP_SECONDS_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.batch_size = Histogram(
+            PREFIX + "worker_batch_size",
+            "Sequences in one step's batch.",
+            [MODEL_LABEL],
+            buckets=BATCH_SIZE_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+        self.scheduled_tokens = Histogram(
+            PREFIX + "worker_step_tokens",
+            "Tokens computed in one step.",
+            [MODEL_LABEL],
+            buckets=ITERATION_TOKEN_BUCKETS,
+            registry=registry,
+        ).labels(model_name)
+
+    def observe_step(self, seconds: float, batch_size: int, tokens: int) -> None:
+        if batch_size:
+            self.step_duration.observe(seconds)
+            self.batch_size.observe(batch_size)
+            self.scheduled_tokens.observe(tokens)

@@ -1,0 +1,88 @@
+"""The Helm chart rendered once per value profile and session, with the real helm binary (`deploy/get-helm.sh`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pagoda"
+HELM = ROOT / ".tools" / "helm"
+RELEASE = "pg"
+NAMESPACE = "llm"
+# Value profiles: each file under helm/pagoda/ci/ on top of values.yaml ("default": values.yaml alone).
+PROFILES = ["default", "gpu", "cpu", "multi-worker", "observability", "secured"]
+
+
+def helm_path() -> Path:
+    """The helm binary; outside CI a missing one skips, in CI (`CI` set) it fails."""
+    if not HELM.is_file():
+        message = f"{HELM} is missing: run `bash deploy/get-helm.sh` (make test does)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return HELM
+
+
+def profile_args(profile: str) -> list[str]:
+    return [] if profile == "default" else ["-f", str(CHART / "ci" / f"{profile}-values.yaml")]
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(helm_path()), *args], capture_output=True, text=True, timeout=120)
+
+
+def helm_template(*args: str) -> subprocess.CompletedProcess[str]:
+    return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args)
+
+
+@dataclass
+class Rendered:
+    """The objects `helm template` rendered for one profile."""
+
+    profile: str
+    objects: list[dict[str, Any]]
+    notes: str = ""
+    text: str = ""  # the YAML stream as helm wrote it
+    by_kind: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for obj in self.objects:
+            self.by_kind.setdefault(obj["kind"], []).append(obj)
+
+    def get(self, kind: str, name: str) -> dict[str, Any]:
+        return next(o for o in self.by_kind.get(kind, []) if o["metadata"]["name"] == name)
+
+    def workloads(self) -> list[dict[str, Any]]:
+        return [o for kind in ("Deployment", "StatefulSet") for o in self.by_kind.get(kind, [])]
+
+    def component(self, name: str) -> dict[str, Any]:
+        """The workload of a component (frontend, scheduler, worker, jaeger)."""
+        return next(w for w in self.workloads() if w["metadata"]["labels"]["app.kubernetes.io/component"] == name)
+
+
+_cache: dict[str, Rendered] = {}
+
+
+@pytest.fixture(scope="session")
+def render() -> Any:
+    """render(profile) -> Rendered, each profile rendered once per session."""
+
+    def get(profile: str) -> Rendered:
+        if profile not in _cache:
+            out = helm_template(*profile_args(profile))
+            assert out.returncode == 0, out.stderr
+            objects = [o for o in yaml.safe_load_all(out.stdout) if o]
+            # NOTE: `helm template` never renders NOTES.txt; a client-side dry-run install does (no cluster needed).
+            dry = helm("install", RELEASE, str(CHART), "-n", NAMESPACE, "--dry-run=client", *profile_args(profile))
+            assert dry.returncode == 0, dry.stderr
+            _cache[profile] = Rendered(profile, objects, dry.stdout.partition("NOTES:")[2], out.stdout)
+        return _cache[profile]
+
+    return get

@@ -1,0 +1,276 @@
+"""The Helm chart: lint, Kubernetes schemas, and what the rendered objects must say to the services they run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from services.common.health import LIVENESS_SERVICE
+from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
+from tests.deploy.conftest import CHART, NAMESPACE, PROFILES, Rendered, helm, helm_template, profile_args
+from tests.deploy.pagoda_args import arg_value, pagoda_containers, parse_container
+
+# The oldest Kubernetes the chart supports (gRPC probes are GA in 1.27) and the newest offline schema.
+KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
+READINESS = {"frontend": GENERATION_SERVICE, "scheduler": SCHEDULER_SERVICE, "worker": WORKER_SERVICE}
+# The shared contract's drain timeouts (seconds), under Kubernetes' default 30 s grace.
+DRAIN = {"frontend": 20, "scheduler": 20, "worker": 25}
+COMPONENT = "app.kubernetes.io/component"
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("keda.sh/v1alpha1", "ScaledObject")}
+
+
+def pod_spec(workload: dict[str, Any]) -> dict[str, Any]:
+    return workload["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_helm_lint_strict(profile: str) -> None:
+    out = helm("lint", "--strict", str(CHART), "--namespace", NAMESPACE, *profile_args(profile))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_objects_match_the_kubernetes_schemas(render: Any, profile: str) -> None:
+    for obj in render(profile).objects:
+        if (obj["apiVersion"], obj["kind"]) in CUSTOM_KINDS:
+            continue  # no schema offline: test_custom_resources checks them
+        for version in KUBERNETES_VERSIONS:
+            # NOTE: SchemaNotFoundError on a built-in kind is a failure too (it propagates).
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_custom_resources(render: Any) -> None:
+    r: Rendered = render("observability")
+    kinds = {(o["apiVersion"], o["kind"]) for o in r.objects}
+    assert kinds >= CUSTOM_KINDS
+    (monitor,) = r.by_kind["ServiceMonitor"]
+    scraped = {e["port"] for e in monitor["spec"]["endpoints"]}
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    services = [s for s in r.by_kind["Service"] if selector.items() <= s["metadata"]["labels"].items()]
+    # Every Pagoda service exposes a scraped port: /metrics on the frontend's HTTP port, the others' metrics port.
+    for component in READINESS:
+        svc = next(s for s in services if s["metadata"]["labels"][COMPONENT] == component)
+        assert scraped & {p["name"] for p in svc["spec"]["ports"]}, component
+    (scaled,) = r.by_kind["ScaledObject"]
+    target = scaled["spec"]["scaleTargetRef"]
+    assert r.get(target["kind"], target["name"]) is r.component("frontend")
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus" and "pagoda:num_requests_waiting" in trigger["metadata"]["query"]
+    # KEDA owns the frontend's replica count then: no HPA of the chart's own competing with it.
+    assert "HorizontalPodAutoscaler" not in r.by_kind and "replicas" not in r.component("frontend")["spec"]
+
+
+def _probe_target(probe: dict[str, Any]) -> tuple[int, str]:
+    if "grpc" in probe:
+        return probe["grpc"]["port"], probe["grpc"]["service"]
+    from services.common.probe import parse_probe_args
+
+    command = probe["exec"]["command"]
+    assert command[:3] == ["python", "-m", "services.common.probe"]
+    args = parse_probe_args(command[3:])  # the real probe parser accepts it
+    host, _, port = args.addr.rpartition(":")
+    assert host == "127.0.0.1"
+    return int(port), args.service
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_probes_use_registered_health_names_on_container_ports(render: Any, profile: str) -> None:
+    for component, container in pagoda_containers(render(profile)):
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        grpc_port = ports["grpc"]
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            port, service = _probe_target(container[kind])
+            assert port == grpc_port, (component, kind)
+            expected = LIVENESS_SERVICE if kind == "livenessProbe" else READINESS[component]
+            assert service == expected, (component, kind)
+        # The startup budget covers a model load: minutes, not the readiness probe's seconds.
+        startup = container["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+        if profile == "secured":
+            assert "exec" in container["livenessProbe"]  # the kubelet's gRPC probe speaks plaintext only
+        else:
+            assert "grpc" in container["livenessProbe"]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_services_select_their_pods(render: Any, profile: str) -> None:
+    r: Rendered = render(profile)
+    for svc in r.by_kind["Service"]:
+        selector = svc["spec"]["selector"]
+        matched = [w for w in r.workloads() if selector.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert len(matched) == 1, svc["metadata"]["name"]
+        assert matched[0]["metadata"]["labels"][COMPONENT] == selector[COMPONENT]
+        names = {p["name"] for c in pod_spec(matched[0])["containers"] for p in c["ports"]}
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= names, svc["metadata"]["name"]
+    for w in r.workloads():
+        assert w["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("profile", ["default", "multi-worker"])
+def test_scheduler_gets_the_worker_dns_names_in_rank_order(render: Any, profile: str) -> None:
+    r: Rendered = render(profile)
+    workers = r.component("worker")
+    headless = r.get("Service", workers["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    name, svc, replicas = workers["metadata"]["name"], headless["metadata"]["name"], workers["spec"]["replicas"]
+    port = next(p["containerPort"] for p in pod_spec(workers)["containers"][0]["ports"] if p["name"] == "grpc")
+    expected = [f"{name}-{rank}.{svc}.{NAMESPACE}.svc.cluster.local:{port}" for rank in range(replicas)]
+    containers = dict(pagoda_containers(r))
+    assert parse_container(r, "scheduler", containers["scheduler"]).worker_addrs == expected
+    assert replicas == (3 if profile == "multi-worker" else 1)
+    # ...and the frontends the scheduler's Service.
+    scheduler_svc = next(s for s in r.by_kind["Service"] if s["metadata"]["labels"][COMPONENT] == "scheduler")
+    sched_port = next(p["port"] for p in scheduler_svc["spec"]["ports"] if p["name"] == "grpc")
+    addr = f"{scheduler_svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{sched_port}"
+    assert parse_container(r, "frontend", containers["frontend"]).scheduler_addr == addr
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_every_command_line_is_accepted_by_the_pagoda_parsers(render: Any, profile: str) -> None:
+    r: Rendered = render(profile)
+    seen = set()
+    for component, container in pagoda_containers(r):
+        config = parse_container(r, component, container)
+        seen.add(component)
+        assert config.host == "0.0.0.0"  # pods are reached on their pod IP (probes, peers)
+        assert config.drain_timeout == DRAIN[component]
+        grace = pod_spec(r.component(component))["terminationGracePeriodSeconds"]
+        assert config.drain_timeout < grace <= 30 + 10
+    assert seen == set(READINESS)
+
+
+def test_engine_settings_reach_the_services(render: Any) -> None:
+    r: Rendered = render("gpu")
+    containers = dict(pagoda_containers(r))
+    worker = parse_container(r, "worker", containers["worker"]).engine
+    assert (worker.dtype, worker.device, worker.attention_backend) == ("bfloat16", "cuda", "triton")
+    scheduler = parse_container(r, "scheduler", containers["scheduler"])
+    assert scheduler.max_num_seqs == worker.max_num_seqs == 128
+    cpu = dict(pagoda_containers(render("cpu")))
+    assert parse_container(render("cpu"), "worker", cpu["worker"]).engine.num_threads == 4
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_security_context_and_resources_on_every_container(render: Any, profile: str) -> None:
+    for w in render(profile).workloads():
+        spec = pod_spec(w)
+        pod_sc = spec.get("securityContext", {})
+        assert pod_sc.get("runAsNonRoot") is True
+        assert spec["automountServiceAccountToken"] is False
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["runAsNonRoot"] is True and sc["readOnlyRootFilesystem"] is True, c["name"]
+            assert sc["allowPrivilegeEscalation"] is False and sc.get("privileged", False) is False
+            assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"]
+            assert (sc.get("seccompProfile") or pod_sc["seccompProfile"])["type"] == "RuntimeDefault"
+            for bound in ("requests", "limits"):
+                assert {"cpu", "memory"} <= c["resources"][bound].keys(), (c["name"], bound)
+            # A read-only root needs writable /tmp; torch needs a real /dev/shm.
+            mounts = {m["mountPath"] for m in c.get("volumeMounts", [])}
+            assert "/tmp" in mounts, c["name"]
+            if c["name"] != "jaeger":
+                assert "/dev/shm" in mounts
+                shm = next(v for v in spec["volumes"] if v["name"] == "dshm")
+                assert shm["emptyDir"]["medium"] == "Memory"
+
+
+def test_scheduler_is_a_single_recreated_replica(render: Any) -> None:
+    for profile in PROFILES:
+        scheduler = render(profile).component("scheduler")
+        assert scheduler["kind"] == "Deployment" and scheduler["spec"]["replicas"] == 1
+        assert scheduler["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_gpu_and_cpu_profiles(render: Any) -> None:
+    gpu = pod_spec(render("gpu").component("worker"))
+    assert gpu["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert gpu["runtimeClassName"] == "nvidia" and gpu["nodeSelector"] and gpu["tolerations"]
+    for profile in ("default", "cpu"):
+        cpu = pod_spec(render(profile).component("worker"))
+        assert "nvidia.com/gpu" not in cpu["containers"][0]["resources"]["limits"]
+        assert "runtimeClassName" not in cpu
+
+
+def _policy(r: Rendered, component: str) -> dict[str, Any]:
+    return next(
+        p for p in r.by_kind["NetworkPolicy"] if p["spec"]["podSelector"]["matchLabels"][COMPONENT] == component
+    )
+
+
+def test_network_policies_only_frontends_reach_the_scheduler_and_only_it_the_workers(render: Any) -> None:
+    r: Rendered = render("default")
+    for component, caller in (("scheduler", "frontend"), ("worker", "scheduler")):
+        policy = _policy(r, component)
+        container = pod_spec(r.component(component))["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        rules = policy["spec"]["ingress"]
+        grpc_rules = [rule for rule in rules if any(p["port"] == ports["grpc"] for p in rule["ports"])]
+        assert len(grpc_rules) == 1
+        (peer,) = grpc_rules[0]["from"]
+        caller_labels = r.component(caller)["spec"]["template"]["metadata"]["labels"]
+        assert peer["podSelector"]["matchLabels"].items() <= caller_labels.items()
+        assert peer["podSelector"]["matchLabels"][COMPONENT] == caller
+        # Metrics scraping stays allowed (from anywhere by default).
+        assert any(any(p["port"] == ports["metrics"] for p in rule["ports"]) for rule in rules)
+
+
+def test_tracing_sets_the_otlp_endpoint_on_every_pod(render: Any) -> None:
+    r: Rendered = render("observability")
+    jaeger = next(s for s in r.by_kind["Service"] if s["metadata"]["labels"][COMPONENT] == "jaeger")
+    assert 4317 in {p["port"] for p in jaeger["spec"]["ports"]}
+    for component, container in pagoda_containers(r):
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == f"http://{jaeger['metadata']['name']}:4317"
+        assert env["OTEL_SERVICE_NAME"] == f"pagoda-{component}"
+        assert arg_value(container, "--collect-detailed-traces") == "true"
+    for _, container in pagoda_containers(render("default")):
+        assert not any(e["name"].startswith("OTEL_") for e in container["env"])
+    assert "16686" in r.notes and "port-forward" in r.notes
+
+
+def test_secured_profile_mounts_secrets(render: Any) -> None:
+    r: Rendered = render("secured")
+    for component, container in pagoda_containers(r):
+        spec = pod_spec(r.component(component))
+        secrets = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+        assert "pagoda-tls" in secrets
+        for flag in ("--tls-cert-file", "--tls-key-file", "--tls-ca-file"):
+            path = arg_value(container, flag)
+            assert any(path.startswith(m["mountPath"] + "/") for m in container["volumeMounts"]), flag
+        if component == "frontend":
+            assert "pagoda-api-keys" in secrets
+            assert arg_value(container, "--api-keys-file") == "/etc/pagoda/api-keys/api-keys"
+            assert arg_value(container, "--prefix-cache-isolation") == "api-key"
+
+
+def test_notes_tell_how_to_call_generate(render: Any) -> None:
+    notes = render("default").notes
+    assert "kubectl -n llm port-forward svc/pg-pagoda-frontend 50051:50051" in notes
+    assert "grpcurl -plaintext -d" in notes and f"{GENERATION_SERVICE}/Generate" in notes
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "worker.replicas=0",
+        "engine.dtype=int8",
+        "frontend.grpcPort=70000",
+        "model.source=s3",
+        "frontend.unknownKey=1",
+        "tracing.otlpEndpoint=jaeger:4317",
+        "engine.device=cuda",  # a CUDA engine on workers without a GPU
+        "security.prefixCacheIsolation=tenant",
+        "scheduler.drainTimeout=-1",
+    ],
+)
+def test_schema_rejects_bad_values(bad: str) -> None:
+    out = helm_template("--set", bad)
+    assert out.returncode != 0
+    assert "values don't meet the specifications of the schema" in out.stderr, out.stderr
+
+
+def test_two_autoscalers_on_the_frontends_are_refused() -> None:
+    out = helm_template("--set", "keda.enabled=true", "--set", "frontend.autoscaling.enabled=true")
+    assert out.returncode != 0 and "enable one" in out.stderr, out.stderr

@@ -1,0 +1,71 @@
+"""Small probes the reliability tests share: bounded waits on the scheduler's Stats, process memory, a cluster."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from services.launcher import LaunchConfig, LocalCluster, free_port
+from services.rpc import scheduler_pb2, scheduler_pb2_grpc
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Polls `predicate` until true; AssertionError naming `what` after `timeout` seconds (a bound, not a timing)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:.0f} s: {what}")
+        time.sleep(0.1)
+
+
+def scheduler_stats(addr: str) -> scheduler_pb2.StatsResponse | None:
+    with grpc.insecure_channel(addr) as channel:
+        try:
+            return scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=5)
+        except grpc.RpcError:
+            return None
+
+
+def all_blocks_free(addr: str) -> bool:
+    """No request left in the scheduler and every KV block free (cached blocks count: they are evictable)."""
+    s = scheduler_stats(addr)
+    return s is not None and s.num_requests == 0 and s.free_blocks == s.total_blocks > 0
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def start_cluster(log_dir: Path, **overrides: object) -> LocalCluster:
+    """A cluster on loopback with free ports; prints the logs when it does not come up."""
+    config = LaunchConfig(
+        host="127.0.0.1",
+        grpc_port=free_port(),
+        http_port=free_port(),
+        scheduler_port=free_port(),
+        worker_ports=[free_port()],
+        num_threads=1,
+        log_dir=str(log_dir),
+    )
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    cluster = LocalCluster(config)
+    cluster.start()
+    try:
+        cluster.wait_healthy(timeout=300)
+    except Exception:
+        cluster.stop(timeout=5)
+        print_logs(log_dir)
+        raise
+    return cluster
+
+
+def print_logs(log_dir: Path, tail: int = 4000) -> None:
+    for log in sorted(log_dir.glob("*.log")):
+        print(f"---- {log.name}\n{log.read_text(errors='replace')[-tail:]}")

@@ -1,0 +1,225 @@
+"""Faults injected into a running cluster: clients that disconnect while queued, prefilling and decoding; a worker
+SIGKILLed mid-stream and restarted; a worker SIGSTOPped (a hang) busy and idle; the scheduler killed and
+restarted. Every failure is clean (UNAVAILABLE, retryable), nothing leaks, and serving resumes by itself."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from services.client import GenerationClient, text_request
+from services.common.health import SERVING, check
+from services.launcher import LocalCluster
+from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, generation_pb2
+from tests.services.probes import all_blocks_free, print_logs, start_cluster, wait_until
+
+pytestmark = pytest.mark.slow
+
+MAX_NUM_SEQS = 4
+GREEDY = text_request("The capital of France is", max_tokens=8)
+LONG = "Tell me a very long story about a lighthouse keeper and the sea. " * 30
+FAULTS = {"injected": 0, "recovered": 0}
+
+
+@pytest.fixture(scope="module")
+def fcluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    log_dir = tmp_path_factory.mktemp("faults")
+    cluster = start_cluster(
+        log_dir,
+        kv_cache_memory=0.25,
+        max_num_seqs=MAX_NUM_SEQS,
+        # NOTE: short deadlines so a hang is detected within seconds here (the defaults suit real steps).
+        extra_scheduler_args=["--step-timeout", "4", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"],
+    )
+    yield cluster
+    codes = cluster.stop(timeout=60)
+    print(f"faults: {FAULTS['injected']} injected, {FAULTS['recovered']} recovered")
+    if codes != {"frontend": 0, "scheduler": 0, "worker0": 0}:
+        print_logs(log_dir)
+    assert codes == {"frontend": 0, "scheduler": 0, "worker0": 0}, codes
+
+
+@pytest.fixture(scope="module")
+def fclient(fcluster: LocalCluster) -> Iterator[GenerationClient]:
+    with GenerationClient(fcluster.frontend_addr) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def greedy_tokens(fclient: GenerationClient) -> list[int]:
+    for _ in range(3):  # NOTE: past the warm-up steps, whose deadline is generous
+        tokens = fclient.generate(GREEDY).choices[0].token_ids
+    return tokens
+
+
+class Reader:
+    """Consumes one stream on a thread; records its messages and how it ended."""
+
+    def __init__(self, client: GenerationClient, request: generation_pb2.GenerateRequest) -> None:
+        self.call = client.stream(request)
+        self.messages: list[generation_pb2.GenerateResponse] = []
+        self.error: grpc.RpcError | None = None
+        self.tokens = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for msg in self.call:
+                self.messages.append(msg)
+                if any(c.token_ids for c in msg.choices):
+                    self.tokens.set()
+        except grpc.RpcError as e:
+            self.error = e
+        self.tokens.set()
+
+    def join(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the stream did not end"
+
+
+def _serving_again(cluster: LocalCluster, client: GenerationClient, greedy: list[int]) -> None:
+    # NOTE: the scheduler first (the frontend mirrors it once a second, so it may not have noticed the outage yet).
+    wait_until(lambda: check(cluster.scheduler_addr, SCHEDULER_SERVICE) == SERVING, 180, "scheduler SERVING again")
+    wait_until(lambda: check(cluster.frontend_addr, GENERATION_SERVICE) == SERVING, 60, "frontend SERVING again")
+    assert client.generate(GREEDY).choices[0].token_ids == greedy
+    FAULTS["recovered"] += 1
+
+
+def test_disconnects_while_queued_prefilling_and_decoding_free_blocks(
+    fcluster: LocalCluster, fclient: GenerationClient, greedy_tokens: list[int]
+) -> None:
+    decoding = [Reader(fclient, text_request(LONG, max_tokens=500, ignore_eos=True)) for _ in range(MAX_NUM_SEQS)]
+    for r in decoding:
+        assert r.tokens.wait(120)
+    queued = Reader(fclient, text_request("Queued behind a full batch.", max_tokens=50))
+    wait_until(lambda: bool(queued.messages), 60, "the queued request admitted")
+    queued.call.cancel()  # while waiting for a free sequence slot
+    for r in decoding:
+        r.call.cancel()  # while decoding
+    prefill = Reader(fclient, text_request(LONG * 3, max_tokens=5))
+    wait_until(lambda: bool(prefill.messages), 60, "the long prompt admitted")
+    prefill.call.cancel()  # during its prefill
+    for r in [*decoding, queued, prefill]:
+        r.join(30)
+        assert r.error is not None and r.error.code() == grpc.StatusCode.CANCELLED
+    wait_until(lambda: all_blocks_free(fcluster.scheduler_addr), 60, "every block free after the disconnects")
+
+
+def test_non_streaming_http_disconnect_aborts(fcluster: LocalCluster, greedy_tokens: list[int]) -> None:
+    body = b'{"prompt": "Tell me a long story.", "max_tokens": 800, "ignore_eos": true}'
+    host, port = "127.0.0.1", fcluster.config.http_port
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    with socket.create_connection((host, port)) as sock:
+        sock.sendall(head.encode() + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        wait_until(lambda: not all_blocks_free(fcluster.scheduler_addr), 60, "the request running")
+    # The client is gone: the request is aborted, not run to 800 tokens with nobody reading.
+    wait_until(lambda: all_blocks_free(fcluster.scheduler_addr), 30, "the request aborted after the disconnect")
+
+
+def test_request_id_reused_right_after_a_cancel_runs_normally(
+    fcluster: LocalCluster, fclient: GenerationClient, greedy_tokens: list[int]
+) -> None:
+    """The old request's abort (and its late events) must never reach the new request with the same id."""
+    for i in range(5):
+        old = text_request(LONG, max_tokens=300, ignore_eos=True)
+        old.request_id = f"reused-{i}"
+        reader = Reader(fclient, old)
+        assert reader.tokens.wait(120)
+        reader.call.cancel()
+        new = text_request("Count to ten:", max_tokens=6, ignore_eos=True)
+        new.request_id = f"reused-{i}"
+        result = None
+        for _ in range(100):  # the frontend frees the id as soon as the old stream's cancellation is processed
+            try:
+                result = fclient.generate(new)
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.ALREADY_EXISTS, e
+                time.sleep(0.05)
+        assert result is not None, "the id never became free"
+        assert [c.finish_reason for c in result.choices] == ["FINISH_REASON_LENGTH"]
+        assert len(result.choices[0].token_ids) == 6
+        reader.join(30)
+    wait_until(lambda: all_blocks_free(fcluster.scheduler_addr), 30, "every block free")
+
+
+def test_sigstop_worker_mid_stream_is_a_hang_detected_by_the_deadline(
+    fcluster: LocalCluster, fclient: GenerationClient, greedy_tokens: list[int]
+) -> None:
+    worker = fcluster.service("worker0").process
+    reader = Reader(fclient, text_request(LONG, max_tokens=500, ignore_eos=True))
+    assert reader.tokens.wait(120)
+    worker.send_signal(signal.SIGSTOP)
+    FAULTS["injected"] += 1
+    try:
+        reader.join(60)  # the step deadline (4 s + per token) fails it
+        assert reader.error is not None and reader.error.code() == grpc.StatusCode.UNAVAILABLE, reader.error
+        assert "worker" in (reader.error.details() or "")
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    _serving_again(fcluster, fclient, greedy_tokens)
+    wait_until(lambda: all_blocks_free(fcluster.scheduler_addr), 30, "every block free after the hang")
+
+
+def test_sigstop_idle_worker_is_noticed_by_the_heartbeat(
+    fcluster: LocalCluster, fclient: GenerationClient, greedy_tokens: list[int]
+) -> None:
+    worker = fcluster.service("worker0").process
+    worker.send_signal(signal.SIGSTOP)
+    FAULTS["injected"] += 1
+    try:
+        wait_until(lambda: check(fcluster.frontend_addr, GENERATION_SERVICE) != SERVING, 30, "frontend NOT_SERVING")
+        with pytest.raises(grpc.RpcError) as info:
+            list(fclient.stub.Generate(GREEDY, timeout=30))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # fails fast, retryable
+    finally:
+        worker.send_signal(signal.SIGCONT)
+    _serving_again(fcluster, fclient, greedy_tokens)
+
+
+def test_sigkill_worker_mid_stream_then_restart(
+    fcluster: LocalCluster, fclient: GenerationClient, greedy_tokens: list[int]
+) -> None:
+    readers = [Reader(fclient, text_request(LONG, max_tokens=500, ignore_eos=True)) for _ in range(2)]
+    for r in readers:
+        assert r.tokens.wait(120)
+    worker = fcluster.service("worker0").process
+    worker.kill()
+    worker.wait(30)
+    FAULTS["injected"] += 1
+    for r in readers:
+        r.join(30)
+        assert r.error is not None and r.error.code() == grpc.StatusCode.UNAVAILABLE, r.error
+    # While the worker is down, new requests fail fast with UNAVAILABLE (retry elsewhere / later).
+    wait_until(lambda: check(fcluster.frontend_addr, GENERATION_SERVICE) != SERVING, 30, "frontend NOT_SERVING")
+    with pytest.raises(grpc.RpcError) as info:
+        list(fclient.stub.Generate(GREEDY, timeout=30))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    fcluster.restart("worker0")  # what `pagoda serve` (or Kubernetes) does
+    _serving_again(fcluster, fclient, greedy_tokens)
+    wait_until(lambda: all_blocks_free(fcluster.scheduler_addr), 30, "every block free after the restart")
+
+
+def test_scheduler_killed_frontend_fails_fast_and_reconnects(
+    fcluster: LocalCluster, fclient: GenerationClient, greedy_tokens: list[int]
+) -> None:
+    reader = Reader(fclient, text_request(LONG, max_tokens=500, ignore_eos=True))
+    assert reader.tokens.wait(120)
+    scheduler = fcluster.service("scheduler").process
+    scheduler.kill()
+    scheduler.wait(30)
+    FAULTS["injected"] += 1
+    reader.join(30)
+    assert reader.error is not None and reader.error.code() == grpc.StatusCode.UNAVAILABLE, reader.error
+    with pytest.raises(grpc.RpcError) as info:
+        list(fclient.stub.Generate(GREEDY, timeout=30))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # not DEADLINE_EXCEEDED: it did not wait
+    fcluster.restart("scheduler")
+    _serving_again(fcluster, fclient, greedy_tokens)

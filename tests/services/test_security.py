@@ -1,0 +1,188 @@
+"""Nothing open by default: internal ports on loopback, API keys on the public APIs, Abort only by the submitting
+key, per-key prefix-cache isolation, TLS on every hop (a test CA made here). One TLS + API-key cluster."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import requests
+
+from services.client import text_request
+from services.common.grpc_opts import CHANNEL_OPTIONS
+from services.frontend.config import parse_frontend_args
+from services.launcher import LaunchConfig, LocalCluster, free_port
+from services.rpc import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.config import parse_scheduler_args
+from services.worker.config import parse_worker_args
+from tests.services.certs import make_test_pki
+
+pytestmark = pytest.mark.slow
+
+KEY_A, KEY_B = "key-alpha-0123456789", "key-bravo-9876543210"
+
+
+@pytest.fixture(scope="module")
+def secure_cluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    tmp = tmp_path_factory.mktemp("security")
+    tls = make_test_pki(tmp / "pki")
+    keys_file = tmp / "keys.txt"
+    keys_file.write_text(f"# tenants\n{KEY_B}\n")
+    config = LaunchConfig(
+        kv_cache_memory=0.25,
+        host="127.0.0.1",
+        grpc_port=free_port(),
+        http_port=free_port(),
+        scheduler_port=free_port(),
+        worker_ports=[free_port()],
+        num_threads=1,
+        max_num_seqs=16,
+        log_dir=str(tmp / "logs"),
+        tls=tls,
+        extra_frontend_args=[
+            *("--api-keys", KEY_A, "--api-keys-file", str(keys_file)),
+            *("--prefix-cache-isolation", "api-key"),
+        ],
+    )
+    cluster = LocalCluster(config)
+    cluster.start()
+    try:
+        cluster.wait_healthy(timeout=300)
+    except Exception:
+        cluster.stop(timeout=5)
+        for log in sorted((tmp / "logs").glob("*.log")):
+            print(f"---- {log.name}\n{log.read_text()[-3000:]}")
+        raise
+    yield cluster
+    assert cluster.stop(timeout=60) == {"frontend": 0, "scheduler": 0, "worker0": 0}
+
+
+@pytest.fixture(scope="module")
+def stub(secure_cluster: LocalCluster) -> Iterator[generation_pb2_grpc.GenerationStub]:
+    tls = secure_cluster.config.tls
+    assert tls.ca_file is not None
+    creds = grpc.ssl_channel_credentials(root_certificates=Path(tls.ca_file).read_bytes())
+    with grpc.secure_channel(secure_cluster.frontend_addr, creds, options=CHANNEL_OPTIONS) as channel:
+        yield generation_pb2_grpc.GenerationStub(channel)
+
+
+def _key(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def _listening(port: int) -> list[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) listening on `port`."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if not Path(table).exists():
+            continue
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:
+                found.append(addr)
+    return found
+
+
+def test_internal_services_bind_loopback_by_default(secure_cluster: LocalCluster) -> None:
+    assert parse_scheduler_args([]).host == "127.0.0.1"
+    assert parse_worker_args([]).host == "127.0.0.1"
+    assert parse_frontend_args([]).host == "0.0.0.0"  # the public service
+    # 127.0.0.1, ::1, ::ffff:127.0.0.1 (gRPC binds a dual-stack socket)
+    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
+    for port in (secure_cluster.config.scheduler_port, *secure_cluster.config.worker_ports):
+        bound = _listening(port)
+        assert bound and set(bound) <= loopback, (port, bound)
+
+
+def test_tls_round_trip_and_plaintext_refused(
+    secure_cluster: LocalCluster, stub: generation_pb2_grpc.GenerationStub
+) -> None:
+    # A full generation: client -TLS-> frontend -mTLS-> scheduler -mTLS-> worker.
+    msgs = list(stub.Generate(text_request("The capital of France is", max_tokens=4), metadata=_key(KEY_A)))
+    assert msgs[-1].final.usage.completion_tokens == 4
+    with grpc.insecure_channel(secure_cluster.frontend_addr) as plain:
+        with pytest.raises(grpc.RpcError) as info:
+            generation_pb2_grpc.GenerationStub(plain).ModelInfo(generation_pb2.ModelInfoRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    # The scheduler requires a client certificate signed by the CA: TLS alone (no client cert) is refused.
+    tls = secure_cluster.config.tls
+    assert tls.ca_file is not None
+    creds = grpc.ssl_channel_credentials(root_certificates=Path(tls.ca_file).read_bytes())
+    with grpc.secure_channel(secure_cluster.scheduler_addr, creds) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            scheduler_pb2_grpc.SchedulerStub(channel).Stats(scheduler_pb2.StatsRequest(), timeout=5)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.parametrize("metadata", [(), _key("wrong"), (("x-api-key", "wrong"),), (("authorization", KEY_A),)])
+def test_wrong_or_missing_key_is_unauthenticated(
+    stub: generation_pb2_grpc.GenerationStub, metadata: tuple[tuple[str, str], ...]
+) -> None:
+    for call in (
+        lambda: list(stub.Generate(text_request("Hi", max_tokens=2), metadata=metadata)),
+        lambda: stub.ModelInfo(generation_pb2.ModelInfoRequest(), metadata=metadata, timeout=5),
+        lambda: stub.Abort(common_pb2.AbortRequest(request_id="x"), metadata=metadata, timeout=5),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_both_key_headers_and_key_file_work(stub: generation_pb2_grpc.GenerationStub) -> None:
+    assert stub.ModelInfo(generation_pb2.ModelInfoRequest(), metadata=(("x-api-key", KEY_B),), timeout=5).model
+    assert stub.ModelInfo(generation_pb2.ModelInfoRequest(), metadata=_key(KEY_A), timeout=5).model
+
+
+def test_http_wrong_key_is_401_and_right_key_serves(secure_cluster: LocalCluster) -> None:
+    url = secure_cluster.http_url.replace("http://", "https://")
+    ca = secure_cluster.config.tls.ca_file
+    body = {"prompt": "Hello", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"x-api-key": "nope"}):
+        r = requests.post(f"{url}/v1/completions", json=body, headers=headers, verify=ca, timeout=30)
+        assert r.status_code == 401, r.text
+        assert requests.get(f"{url}/v1/models", headers=headers, verify=ca, timeout=30).status_code == 401
+    r = requests.post(f"{url}/v1/completions", json=body, headers={"x-api-key": KEY_B}, verify=ca, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+    assert requests.get(f"{url}/health", verify=ca, timeout=30).status_code == 200  # probes need no key
+
+
+def test_abort_only_by_the_submitting_key(stub: generation_pb2_grpc.GenerationStub) -> None:
+    request = text_request("Tell me a long story about the sea.", max_tokens=400, ignore_eos=True)
+    request.request_id = "tenant-a-request"
+    call = stub.Generate(request, metadata=_key(KEY_A))
+    messages: list[generation_pb2.GenerateResponse] = []
+    first = threading.Event()
+
+    def read() -> None:
+        for m in call:
+            messages.append(m)
+            first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(60)
+    other = stub.Abort(common_pb2.AbortRequest(request_id="tenant-a-request", owner=""), metadata=_key(KEY_B))
+    assert not other.found  # as if it did not exist
+    assert stub.Abort(common_pb2.AbortRequest(request_id="tenant-a-request"), metadata=_key(KEY_A)).found
+    reader.join(60)
+    assert not reader.is_alive()
+    final = messages[-1].final
+    assert final.choices[0].finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert final.usage.completion_tokens < 400
+
+
+def _cached(stub: generation_pb2_grpc.GenerationStub, key: str, prompt: str) -> int:
+    msgs = list(stub.Generate(text_request(prompt, max_tokens=1), metadata=_key(key)))
+    return msgs[-1].final.usage.cached_prompt_tokens
+
+
+def test_prefix_cache_is_isolated_per_key(stub: generation_pb2_grpc.GenerationStub) -> None:
+    prompt = "A shared system prompt that is long enough to fill several KV blocks of sixteen tokens. " * 4
+    assert _cached(stub, KEY_A, prompt) == 0
+    assert _cached(stub, KEY_A, prompt) > 0  # the same tenant hits its own entries
+    assert _cached(stub, KEY_B, prompt) == 0  # another tenant never sees them
