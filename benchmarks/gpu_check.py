@@ -42,6 +42,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+# NOTE: the benchmark scripts import their siblings (`workload`) as top-level modules, as when run as scripts.
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 # NOTE: the one interpreter-or-compiled decision, before anything (transformers) imports triton.
 from kernels.triton_mode import configure_triton_interpret
@@ -297,7 +299,7 @@ def section_greedy(c: Check) -> dict[str, object]:
 
 
 def section_kernel_bench(c: Check) -> dict[str, object]:
-    bench = importlib.import_module("benchmarks.kernels_bench")
+    bench = importlib.import_module("kernels_bench")
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (dry run)"
     peak = bench.hbm_peak_gbs(name)
     torch.manual_seed(0)
@@ -316,7 +318,7 @@ def section_kernel_bench(c: Check) -> dict[str, object]:
 
 
 def section_throughput(c: Check) -> dict[str, object]:
-    bench = importlib.import_module("benchmarks.offline_throughput")
+    bench = importlib.import_module("offline_throughput")
     dtype = "float32" if c.dry_run else "bfloat16"
     args = argparse.Namespace(
         model=str(c.model_dir()),
