@@ -310,18 +310,13 @@ def plot(results: list[LevelResult], path: Path) -> None:
 
 
 async def main_async(args: argparse.Namespace) -> list[LevelResult]:
-    from services.launcher import LaunchConfig, LocalCluster, free_port
+    from services.launcher import LaunchConfig, LocalCluster
 
     config = EngineConfig(
         dtype="float32", kv_cache_memory=args.kv_cache_memory, num_threads=args.threads, max_num_seqs=args.max_num_seqs
     )
-    launch = LaunchConfig(
+    launch = LaunchConfig.on_loopback(
         kv_cache_memory=args.kv_cache_memory,
-        host="127.0.0.1",
-        grpc_port=free_port(),
-        http_port=free_port(),
-        scheduler_port=free_port(),
-        worker_ports=[free_port()],
         num_threads=args.threads,
         max_num_seqs=args.max_num_seqs,
         log_dir=tempfile.mkdtemp(prefix="pagoda-serving-bench-"),

@@ -25,7 +25,7 @@ import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from serving import RESULTS, LevelResult, ServicesBackend, run_concurrency, summarize
 
-from services.launcher import LaunchConfig, LocalCluster, free_port
+from services.launcher import LaunchConfig, LocalCluster
 
 
 class _Sink(trace_service_pb2_grpc.TraceServiceServicer):
@@ -69,13 +69,8 @@ def run_mode(mode: str, rnd: int, args: argparse.Namespace, sink: _Sink, sink_en
     env = {"OTEL_SDK_DISABLED": "true"}
     if mode == "on":
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink_endpoint, "OTEL_TRACES_SAMPLER": "always_on"}
-    launch = LaunchConfig(
+    launch = LaunchConfig.on_loopback(
         kv_cache_memory=args.kv_cache_memory,
-        host="127.0.0.1",
-        grpc_port=free_port(),
-        http_port=free_port(),
-        scheduler_port=free_port(),
-        worker_ports=[free_port()],
         num_threads=args.threads,
         max_num_seqs=max(args.concurrency, 8),
         log_dir=tempfile.mkdtemp(prefix=f"pagoda-tracing-{mode}-"),

@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from services.common.engine_flags import field_default
 from services.common.health import NOT_SERVING, SERVING, check
@@ -50,6 +50,17 @@ class LaunchConfig:
     collect_detailed_traces: bool = False
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment for every service
     tls: TlsFiles = field(default_factory=TlsFiles)  # the same files for every service (one test CA)
+
+    @classmethod
+    def on_loopback(cls, num_workers: int = 1, **overrides: Any) -> LaunchConfig:
+        """Every service on 127.0.0.1 with free ports (tests, benchmarks: several clusters may run at once)."""
+        ports = {
+            "grpc_port": free_port(),
+            "http_port": free_port(),
+            "scheduler_port": free_port(),
+            "worker_ports": [free_port() for _ in range(num_workers)],
+        }
+        return cls(host="127.0.0.1", **(ports | overrides))
 
     def tls_args(self) -> list[str]:
         out: list[str] = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import structlog
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -40,6 +40,13 @@ ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 # Worker steps: from a fast CPU/GPU decode step to a long prefill.
 STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def model_histogram(
+    registry: CollectorRegistry, name: str, doc: str, buckets: tuple[float, ...] | list[float]
+) -> Histogram:
+    """A `pagoda:` histogram labelled by model name (every service's histograms are made here)."""
+    return Histogram(PREFIX + name, doc, [MODEL_LABEL], buckets=buckets, registry=registry)
 
 
 def buckets_1_2_5(maximum: int) -> list[float]:

@@ -19,6 +19,7 @@ from services.common.metrics import (
     TTFT_BUCKETS,
     EngineStatsCollector,
     buckets_1_2_5,
+    model_histogram,
 )
 from services.rpc import common_pb2, scheduler_pb2
 
@@ -30,7 +31,7 @@ class RequestMetrics:
         self.model_name = model_name
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, [MODEL_LABEL], buckets=buckets, registry=registry)
+            return model_histogram(registry, name, doc, buckets)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
             return Counter(PREFIX + name, doc, [MODEL_LABEL, *labels], registry=registry)

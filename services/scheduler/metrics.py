@@ -3,21 +3,17 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 
-from services.common.metrics import ITERATION_TOKEN_BUCKETS, MODEL_LABEL, PREFIX
+from services.common.metrics import ITERATION_TOKEN_BUCKETS, model_histogram
 
 
 class StepMetrics:
     """Recorded by the executor for each step (one histogram observation)."""
 
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        self.iteration_tokens = Histogram(
-            PREFIX + "iteration_tokens_total",
-            "Tokens computed per engine step.",
-            [MODEL_LABEL],
-            buckets=ITERATION_TOKEN_BUCKETS,
-            registry=registry,
+        self.iteration_tokens = model_histogram(
+            registry, "iteration_tokens_total", "Tokens computed per engine step.", ITERATION_TOKEN_BUCKETS
         ).labels(model_name)
 
     def observe(self, num_tokens: int) -> None:

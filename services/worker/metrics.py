@@ -2,39 +2,29 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry
 
 from services.common.metrics import (
     BATCH_SIZE_BUCKETS,
     ITERATION_TOKEN_BUCKETS,
-    MODEL_LABEL,
-    PREFIX,
     STEP_SECONDS_BUCKETS,
+    model_histogram,
 )
 
 
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
-        self.step_duration = Histogram(
-            PREFIX + "worker_step_duration_seconds",
+        self.step_duration = model_histogram(
+            registry,
+            "worker_step_duration_seconds",
             "Time the worker spent on one step (deltas, inputs, forward pass, sampling).",
-            [MODEL_LABEL],
-            buckets=STEP_SECONDS_BUCKETS,
-            registry=registry,
+            STEP_SECONDS_BUCKETS,
         ).labels(model_name)
-        self.batch_size = Histogram(
-            PREFIX + "worker_batch_size",
-            "Sequences in one step's batch.",
-            [MODEL_LABEL],
-            buckets=BATCH_SIZE_BUCKETS,
-            registry=registry,
+        self.batch_size = model_histogram(
+            registry, "worker_batch_size", "Sequences in one step's batch.", BATCH_SIZE_BUCKETS
         ).labels(model_name)
-        self.scheduled_tokens = Histogram(
-            PREFIX + "worker_step_tokens",
-            "Tokens computed in one step.",
-            [MODEL_LABEL],
-            buckets=ITERATION_TOKEN_BUCKETS,
-            registry=registry,
+        self.scheduled_tokens = model_histogram(
+            registry, "worker_step_tokens", "Tokens computed in one step.", ITERATION_TOKEN_BUCKETS
         ).labels(model_name)
 
     def observe_step(self, seconds: float, batch_size: int, tokens: int) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from engine_core import LLM
 from services.client import GenerationClient
-from services.launcher import LaunchConfig, LocalCluster, free_port
+from services.launcher import LaunchConfig, LocalCluster
 from services.rpc import scheduler_pb2, scheduler_pb2_grpc
 
 KV_CACHE_GIB = 0.5
@@ -20,14 +20,9 @@ KV_CACHE_GIB = 0.5
 def cluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     # NOTE: smollm2_dir first: the GGUF conversion is cached before three processes look for it at once.
     log_dir = tmp_path_factory.mktemp("service-logs")
-    config = LaunchConfig(
+    config = LaunchConfig.on_loopback(
         dtype="float32",
         kv_cache_memory=KV_CACHE_GIB,
-        host="127.0.0.1",
-        grpc_port=free_port(),
-        http_port=free_port(),
-        scheduler_port=free_port(),
-        worker_ports=[free_port()],
         # NOTE: one torch thread: on a 2-core machine the worker's OpenMP team otherwise fights the scheduler,
         # the frontend and this process for the cores, and spinning OpenMP threads slow every step several-fold.
         num_threads=1,

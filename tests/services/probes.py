@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from services.launcher import LaunchConfig, LocalCluster, free_port
+from services.launcher import LaunchConfig, LocalCluster
 from services.rpc import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -44,12 +44,7 @@ def rss_bytes(pid: int) -> int:
 
 def start_cluster(log_dir: Path, **overrides: object) -> LocalCluster:
     """A cluster on loopback with free ports; prints the logs when it does not come up."""
-    config = LaunchConfig(
-        host="127.0.0.1",
-        grpc_port=free_port(),
-        http_port=free_port(),
-        scheduler_port=free_port(),
-        worker_ports=[free_port()],
+    config = LaunchConfig.on_loopback(
         num_threads=1,
         log_dir=str(log_dir),
     )

@@ -49,14 +49,9 @@ def traced(
     smollm2_dir: str, receiver: OtlpReceiver, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
     log_dir = tmp_path_factory.mktemp("traced-logs")
-    config = LaunchConfig(
+    config = LaunchConfig.on_loopback(
         dtype="float32",
         kv_cache_memory=0.5,
-        host="127.0.0.1",
-        grpc_port=free_port(),
-        http_port=free_port(),
-        scheduler_port=free_port(),
-        worker_ports=[free_port()],
         num_threads=1,
         max_num_seqs=8,
         log_dir=str(log_dir),

@@ -14,7 +14,7 @@ import requests
 from services.client import text_request
 from services.common.grpc_opts import CHANNEL_OPTIONS
 from services.frontend.config import parse_frontend_args
-from services.launcher import LaunchConfig, LocalCluster, free_port
+from services.launcher import LaunchConfig, LocalCluster
 from services.rpc import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import parse_scheduler_args
 from services.worker.config import parse_worker_args
@@ -31,13 +31,8 @@ def secure_cluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -
     tls = make_test_pki(tmp / "pki")
     keys_file = tmp / "keys.txt"
     keys_file.write_text(f"# tenants\n{KEY_B}\n")
-    config = LaunchConfig(
+    config = LaunchConfig.on_loopback(
         kv_cache_memory=0.25,
-        host="127.0.0.1",
-        grpc_port=free_port(),
-        http_port=free_port(),
-        scheduler_port=free_port(),
-        worker_ports=[free_port()],
         num_threads=1,
         max_num_seqs=16,
         log_dir=str(tmp / "logs"),
