@@ -36,8 +36,8 @@ class LoadedEngine:
 def load_engine(config: EngineConfig) -> LoadedEngine:
     """Resolves the model, loads the runner and sizes the KV cache: the one-process engine."""
     model_dir = resolve_model_dir(config.model, config.cache_dir)
+    runner = ModelRunner(config, model_dir)  # NOTE: first: it starts the weights' disk read (prefetch_weights)
     tokenizer = load_tokenizer(config.tokenizer or model_dir)
-    runner = ModelRunner(config, model_dir)
     num_blocks = runner.profile_num_blocks()
     runner.init_kv_cache(num_blocks)
     core = EngineCore(config, runner, runner.max_model_len, num_blocks)

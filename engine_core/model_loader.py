@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,34 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_config(model_dir: str) -> PretrainedConfig:
     return AutoConfig.from_pretrained(model_dir)
+
+
+def prefetch_weights(model_dir: str) -> None:
+    """Asks the kernel to read the weight files into the page cache in the background, so that the disk read overlaps
+    the imports and model construction that come before `iter_weights` (~2-3 s here: transformers' config classes
+    alone import in ~2.2 s).
+
+    NOTE: measured on this VM, whose page cache is reclaimed within minutes: a cold read of SmolLM2's 540 MB of
+    float32 weights made `model loaded` take 3.5 s instead of 1.1 s. The hint (POSIX_FADV_WILLNEED) costs nothing
+    when the files are cached and is skipped where the platform lacks it.
+    """
+    if not hasattr(os, "posix_fadvise"):
+        return
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+
+    def read_ahead() -> None:
+        for file in files:
+            try:
+                fd = os.open(file, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+            except OSError:
+                return  # a hint only: the load that follows reports real errors
+
+    # NOTE: a thread, because the kernel may block the caller while it queues a large read-ahead.
+    threading.Thread(target=read_ahead, name="prefetch-weights", daemon=True).start()
 
 
 def iter_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:

@@ -20,8 +20,9 @@ from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
 from engine_core.cuda_graphs import CudaGraphDecodeStep, capture_sizes
 from engine_core.device_inputs import DeviceInputs, step_input_specs
+from engine_core.host_memory import zeroed_host_tensor
 from engine_core.input_batch import InputBatch, StepInputs
-from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config
+from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
 from engine_core.models.cpu_linear import can_pack
 from engine_core.models.llama import model_class
 from engine_core.models.native_decode import NativeDecodeStep
@@ -75,6 +76,7 @@ class ModelRunner:
         self.dtype = DTYPES[config.resolved_dtype]
         if config.num_threads and self.device.type == "cpu":
             torch.set_num_threads(config.num_threads)
+        prefetch_weights(model_dir)  # the disk read overlaps the config import and the model's construction
         hf = load_config(model_dir)
         self.hf_config = hf
         arch = architecture(hf)
@@ -175,8 +177,14 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         info = self.info
         shape = (2, num_blocks, self.config.block_size, info.num_kv_heads, info.head_dim)
-        # NOTE: zeros, not empty: padded block-table entries point at block 0, and garbage there could be NaN.
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
+        # NOTE: zeros, not empty: padded block-table entries point at block 0, and garbage there could be NaN. On the
+        # host, one lazily-faulted zero mapping (host_memory.py) instead of torch.zeros writing every byte (~4 s/2 GiB).
+        if self.device.type == "cpu":
+            setting = "num_kv_blocks" if self.config.num_kv_blocks is not None else "kv_cache_memory"
+            whole = zeroed_host_tensor((info.num_layers, *shape), self.dtype, setting)
+            self.kv_caches = list(whole.unbind(0))
+        else:
+            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
         tokens = num_blocks * self.config.block_size
         log.info(
             "KV cache allocated",

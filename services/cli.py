@@ -181,9 +181,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in ("worker", "scheduler", "frontend"):
         name, rest = argv[0], argv[1:]
         if name == "worker":
-            from services.common.threads import configure_worker_threads
-
-            configure_worker_threads()  # NOTE: before the server's imports load torch
             from services.worker.server import main as service_main
         else:
             from services.common.threads import limit_control_process_threads

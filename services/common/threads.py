@@ -5,10 +5,12 @@ parallelism. Left at torch's defaults they would each own an OpenMP team as larg
 spin (GNU OpenMP spins ~300,000 iterations, measured ~6 ms of CPU, after every parallel region) on the cores the
 worker computes on. So both run with one intra-op thread and a passive OpenMP wait policy.
 
-The worker keeps a team as large as its cores but waits passively too: it shares those cores with the scheduler and
-the frontend (and, in a pod, a CPU quota), and a spinning thread at a barrier burns the time slice that its
-descheduled partner needs. Measured on 2 cores while other processes competed (docs/benchmarks.md): batch-1 decode
-through `LLM.generate` with 2 threads took 647-1538 ms/token spinning, 54-81 passive (1 thread: 82-138).
+The worker keeps a team as large as its cores and OpenMP's default wait policy (GNU OpenMP spins briefly at each
+barrier before it sleeps). NOTE: measured on 2 quiet cores (docs/benchmarks.md, "`pagoda serve` thread placement"),
+passive waiting cost the worker a futex wake per parallel region, ~150 per decode step: 64 streams 337 vs 402 total
+tok/s and batch 1 37.8 vs 27.7 ms/token; a shorter spin (GOMP_SPINCOUNT=20000) was within the noise of the default.
+Spinning only hurts where the worker's cores are oversubscribed (other busy processes on them): set
+OMP_WAIT_POLICY=PASSIVE there.
 """
 
 from __future__ import annotations
@@ -18,11 +20,6 @@ import sys
 
 # NOTE: read by libgomp / MKL when torch is first imported, hence set before any service module is imported.
 CONTROL_PROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-
-
-# NOTE: applied only when the user set neither variable (GOMP_SPINCOUNT=300000 restores libgomp's default spinning).
-WORKER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
-_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def usable_cores() -> int:
@@ -51,9 +48,3 @@ def limit_control_process_threads() -> None:
     torch = sys.modules.get("torch")
     if torch is not None:  # already imported (the env came too late for it): cap the team directly
         torch.set_num_threads(1)
-
-
-def configure_worker_threads() -> None:
-    """For worker processes, before torch loads: passive OpenMP waiting unless the user chose a wait policy."""
-    if not any(v in os.environ for v in _WAIT_VARS):
-        os.environ.update(WORKER_ENV)

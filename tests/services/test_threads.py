@@ -47,11 +47,3 @@ def test_worker_threads_default_to_the_usable_cores() -> None:
     assert usable_cores() == cores
     assert default_worker_threads() == cores
     assert default_worker_threads(num_workers=cores * 2) == 1
-
-
-def test_workers_wait_passively_unless_the_user_chose() -> None:
-    code = "import os; from services.common.threads import configure_worker_threads as f; f(); "
-    code += "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))"
-    env = {k: v for k, v in _clean_env().items() if k != "GOMP_SPINCOUNT"}
-    assert _run(code, env) == "PASSIVE None"
-    assert _run(code, env | {"GOMP_SPINCOUNT": "300000"}) == "None 300000"
