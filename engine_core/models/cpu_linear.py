@@ -5,21 +5,24 @@ Measured on the 2-core EPYC (Zen 4: AVX-512 for `-march=native`) over SmolLM2's 
 
 | rows | MKL `F.linear` | oneDNN, packed at load | `small_m_linear` | `panel_linear` (kernels/cpu), packed at load |
 | ---- | -------------- | ---------------------- | ---------------- | -------------------------------------------- |
-| 1    | 36.4           | 23.5 (LM head 5.5)     | 21.6 (5.3)       | **16.7** (LM head **3.6**)                   |
-| 4    | 60.2           | 26.1 (5.2)             | 25.3 (8.8)       | **16.4** (**4.2**)                           |
-| 8    | 51.9           | 27.8 (5.7)             | 33.2 (8.8)       | **19.6** (**4.7**)                           |
-| 16   | 64.9           | 32.5 (7.4)             |                  | **29.3** (**7.1**)                           |
-| 64   | 156.5          | 86.5 (19.5)            |                  | **70.8** (18.4)                              |
-| 256  | 473.7          | 294.1 (**86.2**)       |                  | **285.6** (93.2)                             |
-| 2048 | 2636 (docs: 2390 on a quiet run) | 2060 (713) |           | 2266 (742)                                   |
+| 1    | 35.8           | 22.3 (LM head 4.8)     | 17.6 (3.9)       | **14.0** (LM head **3.1**)                   |
+| 4    | 48.6           | 17.9 (3.8)             | 22.8 (6.1)       | **14.2** (**3.3**)                           |
+| 8    | 44.8           | 26.4 (4.9)             | 33.8 (7.8)       | **15.7** (**4.1**)                           |
+| 16   | 53.5           | 27.3 (6.1)             |                  | **21.6** (**5.2**)                           |
+| 64   | 105.6          | 75.3 (17.8)            |                  | **66.6** (17.8)                              |
+| 128  | 175.7          | 136.4 (**33.5**)       |                  | 135.1 (35.5)                                 |
+| 256  | 312.4          | **255.4** (**79.9**)   |                  | 264.5 (86.3)                                 |
+| 2048 | 2714 (docs: 2390 on a quiet run) | 2137 (621) |           | 2214 (708)                                   |
 
 At 1-4 rows a projection streams the weight (the panel layout is one sequential stream per core); from ~16 rows
 up it is compute bound, and the panel kernel's 12x32 register tile keeps the FMA units busy (~165-190 GFLOP/s).
+From 128 rows oneDNN and the panel kernel are within the machine's noise on the layers (panel vs oneDNN in other
+runs: 128 rows 143.3 vs 155.9 ms, 256: 285.6 vs 294.1, 192: 215.9 vs 201.4) and oneDNN wins the LM head by 6-8 %
+(non-temporal stores of its 49152-wide output did not close that), so oneDNN keeps 128-511 rows.
 At prefill sizes MKL takes over (its packing cost amortised; not re-measured here, the docs' quiet run favours it).
-The LM head alone keeps a oneDNN copy for 128-511 rows, where oneDNN measured 2-8 % faster (writing the 49152-wide
-output is its cost there). NOTE: memory: plain weight (MKL, and the tied embedding) + panel copy per projection, as
-before with the oneDNN copy; the LM head has both packed copies (+113 MB for SmolLM2). Without the native kernels
-every row count below LARGE_M goes to oneDNN, as it did before the panel kernel.
+NOTE: memory: three copies of each weight (plain for MKL and the tied embedding, oneDNN, panels): +0.5 GB for
+SmolLM2 over the two before; `onednn_from=None` drops the oneDNN copy for at most ~5 % at 128-511 rows.
+Without the native kernels every row count below LARGE_M goes to oneDNN.
 """
 
 from __future__ import annotations
@@ -29,8 +32,8 @@ from torch import nn
 
 from kernels import cpu as cpu_kernels
 
-LARGE_M = 512  # rows from which MKL runs; below: the panel kernel (or oneDNN, see LM_HEAD_ONEDNN_M)
-LM_HEAD_ONEDNN_M = 128  # the LM head's rows from which oneDNN runs (up to LARGE_M)
+ONEDNN_M = 128  # rows from which oneDNN runs (below: the panel kernel)
+LARGE_M = 512  # rows from which MKL runs
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,10 +43,11 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 class CpuLinear(nn.Module):
     """`y = x @ W.T + b`, dispatched by row count; see the module docstring.
 
-    `onednn_from`: rows (below LARGE_M) from which oneDNN runs instead of the panel kernel; None: never.
+    `onednn_from`: rows (below LARGE_M) from which oneDNN runs instead of the panel kernel; None: never (and no
+    oneDNN copy of the weight).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn_from: int | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn_from: int | None = ONEDNN_M) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         native = cpu_kernels.available()

@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
-from engine_core.models.cpu_linear import LM_HEAD_ONEDNN_M, CpuLinear, use_cpu_linears
+from engine_core.models.cpu_linear import use_cpu_linears
 from kernels import cpu as cpu_kernels
 
 
@@ -206,12 +206,11 @@ class LlamaForCausalLM(nn.Module):
     def use_cpu_gemms(self) -> None:
         """CPU float32: every projection and the LM head become a `CpuLinear` (models/cpu_linear.py).
 
-        A tied LM head shares the embedding's weight and gets its own packed copies; the LM head alone also keeps
-        oneDNN for the row counts where it measured faster (LM_HEAD_ONEDNN_M).
+        A tied LM head shares the embedding's weight and gets its own packed copies.
         """
-        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        bias = None if self.lm_head is None else self.lm_head.bias
-        self.lm_head = CpuLinear(head, bias, onednn_from=LM_HEAD_ONEDNN_M)
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
+            self.lm_head.weight = self.embed_tokens.weight
         use_cpu_linears(self)
 
     def use_triton_ops(self) -> None:

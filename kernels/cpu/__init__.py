@@ -154,13 +154,15 @@ class DecodeLayerWeights:
     norms: list[torch.Tensor]  # input and post-attention RMSNorm weights, 2 per layer
     weights: list[torch.Tensor]  # qkv, o, gate_up, down projections ([out, in]), 4 per layer
     panels: list[torch.Tensor]  # the same packed by `panel_pack`
+    packed: list[torch.Tensor]  # and as oneDNN packed tensors
     qkv_biases: list[torch.Tensor]  # one per layer (Qwen2), or empty
     num_heads: int
     num_kv_heads: int
     head_dim: int
     eps: float
     scale: float
-    large_m: int  # rows from which MKL runs (below: the panel kernel), as models/cpu_linear.py dispatches
+    onednn_m: int  # GEMM row thresholds, as models/cpu_linear.py dispatches: below onednn_m the panel kernel,
+    large_m: int  # from onednn_m oneDNN, from large_m MKL
 
 
 def decode_layers(
@@ -185,11 +187,13 @@ def decode_layers(
         layers.norms,
         layers.weights,
         layers.panels,
+        layers.packed,
         layers.qkv_biases,
         layers.num_heads,
         layers.num_kv_heads,
         layers.head_dim,
         layers.eps,
         layers.scale,
+        layers.onednn_m,
         layers.large_m,
     )

@@ -142,8 +142,8 @@ inline void micro2(const float* a, int64_t lda, const float* panel, int64_t K, c
 #undef PANEL_STORE
 #define PANEL_PAIRS 1
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kMr = 6;   // most rows per micro-kernel call (12 accumulators at 16 columns)
-// c[r][0..15] = sum_k a[r][k] * panel[k][0..15] (+ bias) for MR rows; `ldc` the row stride of c.
+constexpr int64_t kMr = 6;  // most rows per micro-kernel call (12 accumulators at 16 columns)
+
 // NOTE: named accumulators, not an array: GCC keeps an `__m256 acc[MR][2]` in memory and stores all 12 of them
 // on every k (measured: 80 GFLOP/s at 256 rows against ~190 with registers).
 #define PANEL_ROW(r)                                                   \

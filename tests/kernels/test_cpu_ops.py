@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.models.cpu_linear import LARGE_M, LM_HEAD_ONEDNN_M, CpuLinear
+from engine_core.models.cpu_linear import LARGE_M, ONEDNN_M, CpuLinear
 from engine_core.models.llama import RMSNorm, apply_rotary
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_store_kv
@@ -85,8 +85,8 @@ def test_small_m_linear(rows: int, k: int, n: int) -> None:
     torch.testing.assert_close(cpu_kernels.small_m_linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 5, LM_HEAD_ONEDNN_M, LARGE_M - 1, LARGE_M])
-@pytest.mark.parametrize("onednn_from", [None, LM_HEAD_ONEDNN_M])
+@pytest.mark.parametrize("rows", [1, 5, ONEDNN_M, LARGE_M - 1, LARGE_M])
+@pytest.mark.parametrize("onednn_from", [None, ONEDNN_M])
 def test_cpu_linear_every_path_gives_the_same_product(rows: int, onednn_from: int | None) -> None:
     w, b = torch.randn(96, 64) * 0.1, torch.randn(96)
     layer = CpuLinear(w, b, onednn_from=onednn_from)
