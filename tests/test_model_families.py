@@ -113,10 +113,10 @@ def test_half_precision_dtypes_track_float32(dtype: str, tmp_path: Path, smollm2
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize(
-    ("small_m", "large_m"), [(8, 512), (4, 512), (0, 1)], ids=["streaming-gemm", "onednn-gemm", "mkl-gemm"]
+    ("onednn_m", "large_m"), [(128, 512), (1, 512), (1, 1)], ids=["panel-gemm", "onednn-gemm", "mkl-gemm"]
 )
 def test_native_decode_step_matches_the_python_layers(
-    kind: str, small_m: int, large_m: int, tmp_path: Path, smollm2_dir: str
+    kind: str, onednn_m: int, large_m: int, tmp_path: Path, smollm2_dir: str
 ) -> None:
     """Decode-only steps run every layer in one native call (kernels/cpu/decode_step.cpp): same tokens and logprobs
     as the Python layer loop, through each of its GEMM paths (6 decode rows; the row thresholds are moved so each
@@ -126,7 +126,7 @@ def test_native_decode_step_matches_the_python_layers(
     runner = llm.core.executor
     if not isinstance(runner.decode_step, NativeDecodeStep):
         pytest.skip("native CPU kernels unavailable")
-    runner.decode_step.weights.small_m, runner.decode_step.weights.large_m = small_m, large_m
+    runner.decode_step.weights.onednn_m, runner.decode_step.weights.large_m = onednn_m, large_m
     gen = torch.Generator().manual_seed(3)
     prompts = [
         {"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (3, 40, 1, 17, 9, 5)

@@ -1,18 +1,28 @@
 """CPU float32 projections: each GEMM goes to the implementation that is fastest for its row count.
 
-Measured on the 2-core AVX2 EPYC over SmolLM2's 30 layers of projections (`benchmarks/cpu_bench.py gemm`):
+Measured on the 2-core EPYC (Zen 4: AVX-512 for `-march=native`) over SmolLM2's 30 layers of projections and its
+49152x576 LM head (`benchmarks/cpu_bench.py gemm`, ms; a shared machine, so +-5 %):
 
-| rows | MKL `F.linear` | oneDNN, weight packed at load | `small_m_linear` (kernels/cpu) |
-| ---- | -------------- | ----------------------------- | ------------------------------ |
-| 1    | 26.9 ms        | 17.9 ms                       | **15.6 ms** (LM head 3.3 vs 4.1) |
-| 8    | 46.6 ms        | **28.5 ms**                   | 28.2 ms (LM head 7.0 vs 5.9)   |
-| 64   | 113.7 ms       | **102.2 ms**                  |                                |
-| 2048 | **2.39 s**     | 2.70 s                        |                                |
+| rows | MKL `F.linear` | oneDNN, packed at load | `small_m_linear` | `panel_linear` (kernels/cpu), packed at load |
+| ---- | -------------- | ---------------------- | ---------------- | -------------------------------------------- |
+| 1    | 35.8           | 22.3 (LM head 4.8)     | 17.6 (3.9)       | **14.0** (LM head **3.1**)                   |
+| 4    | 48.6           | 17.9 (3.8)             | 22.8 (6.1)       | **14.2** (**3.3**)                           |
+| 8    | 44.8           | 26.4 (4.9)             | 33.8 (7.8)       | **15.7** (**4.1**)                           |
+| 16   | 53.5           | 27.3 (6.1)             |                  | **21.6** (**5.2**)                           |
+| 64   | 105.6          | 75.3 (17.8)            |                  | **66.6** (17.8)                              |
+| 128  | 175.7          | 136.4 (**33.5**)       |                  | 135.1 (35.5)                                 |
+| 256  | 312.4          | **255.4** (**79.9**)   |                  | 264.5 (86.3)                                 |
+| 2048 | 2714 (docs: 2390 on a quiet run) | 2137 (621) |           | 2214 (708)                                   |
 
-A handful of rows is a weight-streaming problem (the native kernel streams the 425 MB at ~27 GB/s, oneDNN at
-~24); mid sizes are where MKL re-packs the weight on every call and takes slow paths on this CPU; at prefill sizes
-MKL's packing cost is amortised and its kernels are the fastest. NOTE: this keeps two copies of each weight (plain
-and packed): +100 % weight memory, 0.5 GB for SmolLM2, bought for the numbers above.
+At 1-4 rows a projection streams the weight (the panel layout is one sequential stream per core); from ~16 rows
+up it is compute bound, and the panel kernel's 12x32 register tile keeps the FMA units busy (~165-190 GFLOP/s).
+From 128 rows oneDNN and the panel kernel are within the machine's noise on the layers (panel vs oneDNN in other
+runs: 128 rows 143.3 vs 155.9 ms, 256: 285.6 vs 294.1, 192: 215.9 vs 201.4) and oneDNN wins the LM head by 6-8 %
+(non-temporal stores of its 49152-wide output did not close that), so oneDNN keeps 128-511 rows.
+At prefill sizes MKL takes over (its packing cost amortised; not re-measured here, the docs' quiet run favours it).
+NOTE: memory: three copies of each weight (plain for MKL and the tied embedding, oneDNN, panels): +0.5 GB for
+SmolLM2 over the two before; `onednn_from=None` drops the oneDNN copy for at most ~5 % at 128-511 rows.
+Without the native kernels every row count below LARGE_M goes to oneDNN.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from torch import nn
 
 from kernels import cpu as cpu_kernels
 
-SMALL_M = 4  # rows at or below which the streaming kernel runs
+ONEDNN_M = 128  # rows from which oneDNN runs (below: the panel kernel)
 LARGE_M = 512  # rows from which MKL runs
 
 
@@ -31,25 +41,35 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class CpuLinear(nn.Module):
-    """`y = x @ W.T + b`, dispatched by row count; see the module docstring."""
+    """`y = x @ W.T + b`, dispatched by row count; see the module docstring.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    `onednn_from`: rows (below LARGE_M) from which oneDNN runs instead of the panel kernel; None: never (and no
+    oneDNN copy of the weight).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, onednn_from: int | None = ONEDNN_M) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        native = cpu_kernels.available()
+        self.onednn_from = onednn_from if native else 0
         with torch.no_grad():
             self.weight = weight.detach().contiguous()
+            self.panels = cpu_kernels.panel_pack(self.weight) if native else None
             # NOTE: no batch-size hint: one layout serves every row count (a hint of 1 or 2048 was slower elsewhere).
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+            self.packed = (
+                None if self.onednn_from is None else torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
+            )
         self.bias = None if bias is None else bias.detach().contiguous()
-        self.streaming = cpu_kernels.available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= SMALL_M and self.streaming:
-            return cpu_kernels.small_m_linear(x, self.weight, self.bias)
         if rows >= LARGE_M:
             return nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.onednn_from is not None and rows >= self.onednn_from:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return cpu_kernels.panel_linear(x, self.panels, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
     def use_cpu_gemms(self) -> None:
         """CPU float32: every projection and the LM head become a `CpuLinear` (models/cpu_linear.py).
 
-        A tied LM head shares the embedding's weight and gets its own packed copy.
+        A tied LM head shares the embedding's weight and gets its own packed copies.
         """
         if self.lm_head is None:
             self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")

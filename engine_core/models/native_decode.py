@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine_core.attention.backend import AttentionMetadata
-from engine_core.models.cpu_linear import LARGE_M, SMALL_M
+from engine_core.models.cpu_linear import LARGE_M, ONEDNN_M
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import cpu as cpu_kernels
 
@@ -31,6 +31,7 @@ class NativeDecodeStep:
                 w for layer in layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             ],
             weights=[p.weight for p in projections],
+            panels=[p.panels for p in projections],
             packed=[p.packed for p in projections],
             qkv_biases=[a.qkv_proj.bias for a in attn] if model.qkv_bias else [],
             num_heads=attn[0].num_heads,
@@ -38,7 +39,7 @@ class NativeDecodeStep:
             head_dim=attn[0].head_dim,
             eps=layers[0].input_layernorm.eps,
             scale=attn[0].backend.scale,
-            small_m=SMALL_M,
+            onednn_m=ONEDNN_M,
             large_m=LARGE_M,
         )
 

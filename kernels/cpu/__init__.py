@@ -20,7 +20,7 @@ log = structlog.get_logger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "fused_ops.cpp", "small_m_linear.cpp", "decode_step.cpp")
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "small_m_linear.cpp", "panel_linear.cpp", "decode_step.cpp")
 ]
 _HEADERS = [Path(__file__).with_name("ops.h")]
 _NAME = "pagoda_cpu_kernels"
@@ -135,21 +135,34 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out
 
 
+def panel_pack(weight: torch.Tensor) -> torch.Tensor:
+    """W `[N, K]` float32 -> column panels `[ceil(N/16), K, 16]` (zero-padded) for `panel_linear`; once, at load."""
+    return torch.ops.pagoda_cpu.panel_pack(weight)
+
+
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + bias` for x `[M, K]` (rows may be strided) with W `[n, K]` packed by `panel_pack`."""
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    torch.ops.pagoda_cpu.panel_linear(out, x, packed, bias)
+    return out
+
+
 @dataclass
 class DecodeLayerWeights:
     """What `decode_layers` needs of a Llama-family model, flattened once at load."""
 
     norms: list[torch.Tensor]  # input and post-attention RMSNorm weights, 2 per layer
     weights: list[torch.Tensor]  # qkv, o, gate_up, down projections ([out, in]), 4 per layer
-    packed: list[torch.Tensor]  # the same as oneDNN packed tensors
+    panels: list[torch.Tensor]  # the same packed by `panel_pack`
+    packed: list[torch.Tensor]  # and as oneDNN packed tensors
     qkv_biases: list[torch.Tensor]  # one per layer (Qwen2), or empty
     num_heads: int
     num_kv_heads: int
     head_dim: int
     eps: float
     scale: float
-    small_m: int  # GEMM row thresholds, as models/cpu_linear.py dispatches
-    large_m: int
+    onednn_m: int  # GEMM row thresholds, as models/cpu_linear.py dispatches: below onednn_m the panel kernel,
+    large_m: int  # from onednn_m oneDNN, from large_m MKL
 
 
 def decode_layers(
@@ -173,6 +186,7 @@ def decode_layers(
         seq_lens,
         layers.norms,
         layers.weights,
+        layers.panels,
         layers.packed,
         layers.qkv_biases,
         layers.num_heads,
@@ -180,6 +194,6 @@ def decode_layers(
         layers.head_dim,
         layers.eps,
         layers.scale,
-        layers.small_m,
+        layers.onednn_m,
         layers.large_m,
     )

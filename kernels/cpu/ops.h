@@ -14,6 +14,8 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
                       int64_t head_dim);
 void small_m_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
                     const c10::optional<at::Tensor>& bias);
+at::Tensor panel_pack(const at::Tensor& weight);
+void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 
 // a . b over n floats (the portable path; vectorised by `omp simd` without reassociating anything else).
 inline float dot(const float* a, const float* b, int64_t n) {

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.models.cpu_linear import LARGE_M, SMALL_M, CpuLinear
+from engine_core.models.cpu_linear import LARGE_M, ONEDNN_M, CpuLinear
 from engine_core.models.llama import RMSNorm, apply_rotary
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_store_kv
@@ -85,9 +85,54 @@ def test_small_m_linear(rows: int, k: int, n: int) -> None:
     torch.testing.assert_close(cpu_kernels.small_m_linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, SMALL_M, SMALL_M + 1, LARGE_M - 1, LARGE_M])
-def test_cpu_linear_every_path_gives_the_same_product(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 5, ONEDNN_M, LARGE_M - 1, LARGE_M])
+@pytest.mark.parametrize("onednn_from", [None, ONEDNN_M])
+def test_cpu_linear_every_path_gives_the_same_product(rows: int, onednn_from: int | None) -> None:
     w, b = torch.randn(96, 64) * 0.1, torch.randn(96)
-    layer = CpuLinear(w, b)
+    layer = CpuLinear(w, b, onednn_from=onednn_from)
     x = torch.randn(rows, 64)
     torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 7, 13, 64, 130])
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (37, 50), (100, 7), (1536, 33)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_linear_matches_a_float64_reference(rows: int, k: int, n: int, with_bias: bool) -> None:
+    """Row blocks of every height (1..6), a partial last panel (N % 16 != 0) and K of any size."""
+    w = torch.randn(n, k) * 0.05
+    b = torch.randn(n) if with_bias else None
+    x = torch.randn(rows, k)
+    got = cpu_kernels.panel_linear(x, cpu_kernels.panel_pack(w), n, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_panel_linear_takes_strided_rows() -> None:
+    wide = torch.randn(9, 200)
+    x = wide[:, 8:72]  # 64 columns, row stride 200: a column slice, as a projection's output view gives it
+    w = torch.randn(40, 64) * 0.1
+    got = cpu_kernels.panel_linear(x, cpu_kernels.panel_pack(w), 40, None)
+    assert torch.equal(got, cpu_kernels.panel_linear(x.contiguous(), cpu_kernels.panel_pack(w), 40, None))
+    torch.testing.assert_close(got.double(), F.linear(x.double(), w.double()), atol=1e-5, rtol=1e-5)
+
+
+def test_panel_linear_is_the_same_whatever_the_thread_count() -> None:
+    x, w, b = torch.randn(70, 576), torch.randn(1000, 576) * 0.05, torch.randn(1000)
+    packed = cpu_kernels.panel_pack(w)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            results.append(cpu_kernels.panel_linear(x, packed, 1000, b))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    # and each row is the same whether it comes alone or in a batch (no blocking-dependent order)
+    assert torch.equal(cpu_kernels.panel_linear(x[3:4], packed, 1000, b)[0], results[0][3])
+
+
+def test_panel_linear_rejects_a_mismatched_packing() -> None:
+    packed = cpu_kernels.panel_pack(torch.randn(40, 64))
+    with pytest.raises(RuntimeError, match="panel_linear: shapes do not match"):
+        cpu_kernels.panel_linear(torch.randn(2, 64), packed, 60, None)
