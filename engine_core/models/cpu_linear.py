@@ -27,13 +27,45 @@ Without the native kernels every row count below LARGE_M goes to oneDNN.
 
 from __future__ import annotations
 
+import functools
+import time
+
 import torch
 from torch import nn
 
 from kernels import cpu as cpu_kernels
 
 ONEDNN_M = 128  # rows from which oneDNN runs (below: the panel kernel)
-LARGE_M = 512  # rows from which MKL runs
+LARGE_M = 512  # rows from which MKL runs, on CPUs where it beats oneDNN (`mkl_from_rows`)
+NEVER = 1 << 62  # a row threshold no step reaches
+_RACE_SHAPE = (1024, 576, 1536)  # rows, in, out: a prefill chunk through a SmolLM2-sized projection (~1.8 GFLOP)
+
+
+@functools.cache
+def mkl_from_rows() -> int:
+    """Rows from which prefill-sized GEMMs go to MKL: LARGE_M where MKL wins a one-time race against oneDNN on this
+    CPU (~0.1 s, once per process), else NEVER.
+
+    NOTE: the winner depends on the machine. On the AVX2 EPYC of sessions 1-3 MKL was 7-13 % faster at 2048 rows;
+    on the Zen 4 (AVX-512) EPYC of session 4 oneDNN was 1.3-1.8x faster at 512 and 2048 rows over every SmolLM2
+    projection (MKL keeps generic code paths on non-Intel CPUs). oneDNN keeps ties: its copy of the weight exists
+    anyway.
+    """
+    rows, k, n = _RACE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    best = {"mkl": float("inf"), "onednn": float("inf")}
+    runs = {
+        "mkl": lambda: nn.functional.linear(x, w),
+        "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+    }
+    for _ in range(4):  # alternating, best of 4 (the first of each warms its code and buffers)
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return LARGE_M if best["mkl"] < 0.95 * best["onednn"] else NEVER
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -60,10 +92,11 @@ class CpuLinear(nn.Module):
                 None if self.onednn_from is None else torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
             )
         self.bias = None if bias is None else bias.detach().contiguous()
+        self.mkl_from = mkl_from_rows() if self.packed is not None else LARGE_M
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows >= LARGE_M:
+        if rows >= self.mkl_from:
             return nn.functional.linear(x, self.weight, self.bias)
         if self.onednn_from is not None and rows >= self.onednn_from:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

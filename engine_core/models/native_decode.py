@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine_core.attention.backend import AttentionMetadata
-from engine_core.models.cpu_linear import LARGE_M, ONEDNN_M
+from engine_core.models.cpu_linear import ONEDNN_M
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import cpu as cpu_kernels
 
@@ -40,7 +40,7 @@ class NativeDecodeStep:
             eps=layers[0].input_layernorm.eps,
             scale=attn[0].backend.scale,
             onednn_m=ONEDNN_M,
-            large_m=LARGE_M,
+            large_m=projections[0].mkl_from,
         )
 
     def __call__(
