@@ -2,7 +2,7 @@
 
 - `gemm`: the 30 layers' projections (576x960 qkv, 576x576 o, 576x3072 gate/up, 1536x576 down) and the
   49152x576 LM head at 1..2048 rows, through MKL `F.linear`, oneDNN with the weight packed once
-  (`mkldnn._linear_pointwise`), the native streaming kernel (`small_m_linear`, meant for <= 4 rows) and the native
+  (`mkldnn._linear_pointwise`) and the native
   panel kernel (`panel_linear`, weight packed once into 16-column panels, meant for decode-sized row counts).
 - `attention`: one layer of decode attention (9 query / 3 KV heads, head dim 64, block size 16, shuffled block
   tables, context lengths uniform in [ctx/4, ctx] sorted longest-first as the engine hands them over): the torch
@@ -57,9 +57,8 @@ def bench_gemm() -> list[dict[str, object]]:
     panels = [[(cpu_kernels.panel_pack(w), w.shape[0]) for w in ws] for ws in plain]
     lm_panels = (cpu_kernels.panel_pack(lm), VOCAB)
     rows_out: list[dict[str, object]] = []
-    print("rows | 30 layers: mkl, onednn, stream, panel | lm head: mkl, onednn, stream, panel   (ms)")
+    print("rows | 30 layers: mkl, onednn, panel | lm head: mkl, onednn, panel   (ms)")
     mkl = torch.nn.functional.linear
-    stream = partial(cpu_kernels.small_m_linear, bias=None)
 
     def dnn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
@@ -75,16 +74,13 @@ def bench_gemm() -> list[dict[str, object]]:
     for m in (1, 2, 4, 5, 8, 16, 32, 64, 128, 256, 512, 2048):
         xs = {i: torch.randn(m, i) for i, _ in LAYER_SHAPES}
         x = xs[576]
-        small = m <= 8  # the streaming kernel is for a handful of rows
         row: dict[str, object] = {"rows": m}
         with torch.inference_mode():
             row["layers_mkl_ms"] = timed(partial(layers, mkl, plain, xs))
             row["layers_onednn_ms"] = timed(partial(layers, dnn, packed, xs))
-            row["layers_stream_ms"] = timed(partial(layers, stream, plain, xs)) if small else None
             row["layers_panel_ms"] = timed(partial(layers, panel, panels, xs))
             row["lm_mkl_ms"] = timed(partial(mkl, x, lm))
             row["lm_onednn_ms"] = timed(partial(dnn, x, lm_packed))
-            row["lm_stream_ms"] = timed(partial(stream, x, lm)) if small else None
             row["lm_panel_ms"] = timed(partial(panel, x, lm_panels))
         cells = [row[k] for k in row if k != "rows"]
         print(f"{m:>5} " + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells), flush=True)

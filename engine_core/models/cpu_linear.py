@@ -3,23 +3,25 @@
 Measured on the 2-core EPYC (Zen 4: AVX-512 for `-march=native`) over SmolLM2's 30 layers of projections and its
 49152x576 LM head (`benchmarks/cpu_bench.py gemm`, ms; a shared machine, so +-5 %):
 
-| rows | MKL `F.linear` | oneDNN, packed at load | `small_m_linear` | `panel_linear` (kernels/cpu), packed at load |
-| ---- | -------------- | ---------------------- | ---------------- | -------------------------------------------- |
-| 1    | 35.8           | 22.3 (LM head 4.8)     | 17.6 (3.9)       | **14.0** (LM head **3.1**)                   |
-| 4    | 48.6           | 17.9 (3.8)             | 22.8 (6.1)       | **14.2** (**3.3**)                           |
-| 8    | 44.8           | 26.4 (4.9)             | 33.8 (7.8)       | **15.7** (**4.1**)                           |
-| 16   | 53.5           | 27.3 (6.1)             |                  | **21.6** (**5.2**)                           |
-| 64   | 105.6          | 75.3 (17.8)            |                  | **66.6** (17.8)                              |
-| 128  | 175.7          | 136.4 (**33.5**)       |                  | 135.1 (35.5)                                 |
-| 256  | 312.4          | **255.4** (**79.9**)   |                  | 264.5 (86.3)                                 |
-| 2048 | 2714 (docs: 2390 on a quiet run) | 2137 (621) |           | 2214 (708)                                   |
+| rows | MKL `F.linear` | oneDNN, packed at load | `panel_linear` (kernels/cpu), packed at load |
+| ---- | -------------- | ---------------------- | -------------------------------------------- |
+| 1    | 35.8           | 22.3 (LM head 4.8)     | **14.0** (LM head **3.1**)                   |
+| 4    | 48.6           | 17.9 (3.8)             | **14.2** (**3.3**)                           |
+| 8    | 44.8           | 26.4 (4.9)             | **15.7** (**4.1**)                           |
+| 16   | 53.5           | 27.3 (6.1)             | **21.6** (**5.2**)                           |
+| 64   | 105.6          | 75.3 (17.8)            | **66.6** (17.8)                              |
+| 128  | 175.7          | 136.4 (**33.5**)       | 135.1 (35.5)                                 |
+| 256  | 312.4          | **255.4** (**79.9**)   | 264.5 (86.3)                                 |
+| 2048 | 2714           | **2137** (621)         | 2214 (708)                                   |
+
+(The streaming kernel it replaced at 1-4 rows: 17.6, 22.8 ms; LM head 3.9, 6.1.)
 
 At 1-4 rows a projection streams the weight (the panel layout is one sequential stream per core); from ~16 rows
 up it is compute bound, and the panel kernel's 12x32 register tile keeps the FMA units busy (~165-190 GFLOP/s).
 From 128 rows oneDNN and the panel kernel are within the machine's noise on the layers (panel vs oneDNN in other
 runs: 128 rows 143.3 vs 155.9 ms, 256: 285.6 vs 294.1, 192: 215.9 vs 201.4) and oneDNN wins the LM head by 6-8 %
 (non-temporal stores of its 49152-wide output did not close that), so oneDNN keeps 128-511 rows.
-At prefill sizes MKL takes over (its packing cost amortised; not re-measured here, the docs' quiet run favours it).
+From LARGE_M rows MKL runs only where it wins a race against oneDNN at load (`mkl_from_rows`; it lost here).
 NOTE: memory: three copies of each weight (plain for MKL and the tied embedding, oneDNN, panels): +0.5 GB for
 SmolLM2 over the two before; `onednn_from=None` drops the oneDNN copy for at most ~5 % at 128-511 rows.
 Without the native kernels every row count below LARGE_M goes to oneDNN.

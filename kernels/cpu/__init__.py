@@ -20,7 +20,7 @@ log = structlog.get_logger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "fused_ops.cpp", "small_m_linear.cpp", "panel_linear.cpp", "decode_step.cpp")
+    for name in ("paged_attention.cpp", "fused_ops.cpp", "panel_linear.cpp", "decode_step.cpp")
 ]
 _HEADERS = [Path(__file__).with_name("ops.h")]
 _NAME = "pagoda_cpu_kernels"
@@ -126,13 +126,6 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     """In place, rotate-half form, on the first `num_heads` heads of each row of x `[T, >= num_heads * head_dim]`;
     cos/sin `[T, head_dim]` are the rows for each token's position."""
     torch.ops.pagoda_cpu.rotary_embedding(x, cos, sin, num_heads, head_dim)
-
-
-def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ weight.T + bias` for a few rows of x `[M, K]`, weight `[N, K]` float32: streams the weight once."""
-    out = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
-    torch.ops.pagoda_cpu.small_m_linear(out, x, weight, bias)
-    return out
 
 
 def panel_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,6 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps);
 void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                       int64_t head_dim);
-void small_m_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
-                    const c10::optional<at::Tensor>& bias);
 at::Tensor panel_pack(const at::Tensor& weight);
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 

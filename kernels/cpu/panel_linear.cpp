@@ -1,6 +1,6 @@
 // y = x @ W^T (+ b) for decode-sized row counts (~5-256 rows), with W packed once at load into column panels.
 //
-// Why: between "a handful of rows" (weight streaming, small_m_linear.cpp) and prefill sizes (MKL), oneDNN's packed
+// Why: below prefill sizes (oneDNN / MKL) oneDNN's packed
 // path reaches only ~60 GFLOP/s at 5-16 rows and ~130 at 64 on this 2-core EPYC. Here W [N, K] is re-laid once as
 // panels [ceil(N/16)][K][16] (zero-padded columns), so one panel is a contiguous stream that a register-blocked
 // micro-kernel walks with aligned loads, broadcasting one x value per row and k:

@@ -77,14 +77,6 @@ def test_bad_inputs_are_rejected_with_the_op_name() -> None:
         )
 
 
-@pytest.mark.parametrize(("rows", "k", "n"), [(1, 576, 960), (3, 576, 49), (2, 36, 10), (4, 1536, 576)])
-def test_small_m_linear(rows: int, k: int, n: int) -> None:
-    """AVX2 path (K % 8 == 0, N % 4 == 0) and the portable tails (K = 36, N = 49 or 10)."""
-    x, w, b = torch.randn(rows, k), torch.randn(n, k) * 0.05, torch.randn(n)
-    torch.testing.assert_close(cpu_kernels.small_m_linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(cpu_kernels.small_m_linear(x, w, None), F.linear(x, w), atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("rows", [1, 5, ONEDNN_M, LARGE_M - 1, LARGE_M])
 @pytest.mark.parametrize("onednn_from", [None, ONEDNN_M])
 def test_cpu_linear_every_path_gives_the_same_product(rows: int, onednn_from: int | None) -> None:
