@@ -5,8 +5,10 @@ maps guest memory on demand) 0.8-1.0 s per 256 MiB, so a 2 GiB KV cache took ~4 
 Anonymous `mmap` memory is zero by the kernel's guarantee and is faulted in on first write, so the cache is ready at
 once and pages appear as sequences fill them (a block's K/V is written before any kernel reads it).
 
-A daemon thread at the lowest CPU priority then faults the pages in (`populate_in_background`), so an idle server
-has its cache resident before traffic comes, without the start-up waiting for it.
+NOTE: the pages are not faulted in ahead of use: a nice-19 thread doing so (MADV_POPULATE_WRITE) was tried and
+measured: it still slowed the first request of `pagoda serve --demo` from 369 to 782 ms TTFT (page-fault work and
+memory bandwidth are not covered by CPU priority). A step that writes K/V into a block for the first time pays its
+fault instead (a 2,048-token prefill chunk: ~8 ms per layer in `store_kv`).
 
 NOTE: the price is that memory is committed lazily: a host with less free memory than the KV budget would fail under
 load rather than at start-up. So the budget is checked against what the host (and the container's cgroup) has left
@@ -15,17 +17,12 @@ before the mapping is made, and a budget that cannot fit is refused at once, nam
 
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
-import os
-import threading
 from pathlib import Path
 
 import torch
 
-_MADV_POPULATE_WRITE = 23  # <sys/mman.h>, Linux >= 5.14; Python 3.11's mmap module lacks the name
-_POPULATE_CHUNK = 64 << 20
 _MEMINFO = Path("/proc/meminfo")
 _CGROUP = Path("/sys/fs/cgroup")
 
@@ -68,31 +65,3 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, setting: str)
         buf.madvise(mmap.MADV_HUGEPAGE)
     # NOTE: the tensor holds the buffer (and so the mapping) alive; the mapping is unmapped when the tensor dies.
     return torch.frombuffer(buf, dtype=dtype).view(shape)
-
-
-def populate_in_background(t: torch.Tensor) -> None:
-    """Faults in the pages of a `zeroed_host_tensor` from a daemon thread at nice 19, 64 MiB at a time.
-
-    MADV_POPULATE_WRITE maps the pages without writing to them, so it is safe while the engine writes K/V; where the
-    kernel lacks it (before 5.14, not Linux) the pages stay faulted on first write. NOTE: ctypes releases the GIL for
-    the call, so the engine's Python threads are not held up; at nice 19 the thread yields the cores to any busy
-    thread of the engine.
-    """
-    if not hasattr(os, "setpriority"):
-        return
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-
-    def populate() -> None:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux: per-thread nice)
-        base, size = t.data_ptr(), t.numel() * t.element_size()
-        for offset in range(0, size, _POPULATE_CHUNK):
-            if madvise(base + offset, min(_POPULATE_CHUNK, size - offset), _MADV_POPULATE_WRITE) != 0:
-                return  # unsupported (EINVAL) or no memory (ENOMEM): first writes fault the rest in
-
-    # NOTE: the thread holds `t`, so the mapping outlives a cache that is replaced while it runs.
-    threading.Thread(target=populate, name="populate-kv-cache", daemon=True).start()

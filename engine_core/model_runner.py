@@ -20,7 +20,7 @@ from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
 from engine_core.cuda_graphs import CudaGraphDecodeStep, capture_sizes
 from engine_core.device_inputs import DeviceInputs, step_input_specs
-from engine_core.host_memory import populate_in_background, zeroed_host_tensor
+from engine_core.host_memory import zeroed_host_tensor
 from engine_core.input_batch import InputBatch, StepInputs
 from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
 from engine_core.models.cpu_linear import can_pack
@@ -182,7 +182,6 @@ class ModelRunner:
         if self.device.type == "cpu":
             setting = "num_kv_blocks" if self.config.num_kv_blocks is not None else "kv_cache_memory"
             whole = zeroed_host_tensor((info.num_layers, *shape), self.dtype, setting)
-            populate_in_background(whole)
             self.kv_caches = list(whole.unbind(0))
         else:
             self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from engine_core import host_memory
-from engine_core.host_memory import available_host_bytes, populate_in_background, zeroed_host_tensor
+from engine_core.host_memory import available_host_bytes, zeroed_host_tensor
 
 
 def test_zeroed_host_tensor_is_zero_contiguous_and_writable() -> None:
@@ -38,14 +36,3 @@ def test_a_budget_larger_than_the_host_is_refused_naming_the_setting(monkeypatch
 def test_available_host_bytes_reads_this_host() -> None:
     free = available_host_bytes()
     assert free is None or free > 0
-
-
-def test_populating_in_the_background_keeps_what_was_written() -> None:
-    t = zeroed_host_tensor((8, 1 << 20), torch.float32, "kv_cache_memory")  # 32 MiB
-    t[3].fill_(7.0)  # written before and while the thread maps pages: MADV_POPULATE_WRITE must not touch content
-    populate_in_background(t)
-    t[5].fill_(-1.0)
-    for thread in [th for th in threading.enumerate() if th.name == "populate-kv-cache"]:
-        thread.join(timeout=60)
-    assert bool((t[3] == 7.0).all()) and bool((t[5] == -1.0).all())
-    assert torch.count_nonzero(t[:3]) == 0 and torch.count_nonzero(t[6:]) == 0
