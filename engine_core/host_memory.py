@@ -46,7 +46,7 @@ def available_host_bytes() -> int | None:
 
 
 def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, setting: str) -> torch.Tensor:
-    """A contiguous CPU tensor of zeros backed by anonymous memory (page-aligned; huge pages where allowed).
+    """A contiguous CPU tensor of zeros backed by anonymous memory (page-aligned).
 
     Raises ValueError naming `setting` when the host has not that much memory left."""
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -59,9 +59,8 @@ def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype, setting: str)
             f"{free / (1 << 30):.2f} GiB of memory left"
         )
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        # NOTE: with transparent huge pages in `madvise` mode (this VM's setting) the attention kernels' K/V reads then
-        # walk 2 MiB pages (fewer TLB misses) and a first write faults 2 MiB at a time.
-        buf.madvise(mmap.MADV_HUGEPAGE)
+    # NOTE: no MADV_HUGEPAGE: with this VM's THP `defrag=madvise`, every first write into a 2 MiB region zeroed (and
+    # compacted for) a whole huge page: the first 40-token request spent 9.8 ms per layer in `store_kv` (294 of its
+    # 370 ms), where 4 KiB faults cost a fraction of a millisecond for the pages its blocks touch.
     # NOTE: the tensor holds the buffer (and so the mapping) alive; the mapping is unmapped when the tensor dies.
     return torch.frombuffer(buf, dtype=dtype).view(shape)
