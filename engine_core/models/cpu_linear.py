@@ -24,7 +24,7 @@ runs: 128 rows 143.3 vs 155.9 ms, 256: 285.6 vs 294.1, 192: 215.9 vs 201.4) and 
 From LARGE_M rows MKL runs only where it wins a race against oneDNN at load (`mkl_from_rows`; it lost here).
 NOTE: memory: three copies of each weight (plain for MKL and the tied embedding, oneDNN, panels): +0.5 GB for
 SmolLM2 over the two before; `onednn_from=None` drops the oneDNN copy for at most ~5 % at 128-511 rows.
-Without the native kernels every row count below LARGE_M goes to oneDNN.
+Without the native kernels every row count below `mkl_from_rows()` goes to oneDNN.
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ from engine_core import LLM
 from services.client import GenerationClient
 from services.launcher import LaunchConfig, LocalCluster
 from services.rpc import scheduler_pb2, scheduler_pb2_grpc
+from tests.services.probes import start_healthy
 
 KV_CACHE_GIB = 0.5
 
@@ -30,15 +30,7 @@ def cluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
         log_dir=str(log_dir),
         metrics_port=-1,  # NOTE: the fixed defaults (8001, 8002) would clash between concurrent test runs
     )
-    c = LocalCluster(config)
-    c.start()
-    try:
-        c.wait_healthy(timeout=300)
-    except Exception:
-        c.stop(timeout=5)
-        for log in sorted(Path(log_dir).glob("*.log")):
-            print(f"---- {log.name}\n{log.read_text()[-4000:]}")
-        raise
+    c = start_healthy(config)
     yield c
     codes = c.stop(timeout=60)
     assert codes == {"frontend": 0, "scheduler": 0, "worker0": 0}, codes

@@ -7,9 +7,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import pytest
 
+from services.client import GenerationClient
 from services.launcher import LaunchConfig, LocalCluster
-from services.rpc import scheduler_pb2, scheduler_pb2_grpc
+from services.rpc import generation_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
@@ -50,13 +52,19 @@ def start_cluster(log_dir: Path, **overrides: object) -> LocalCluster:
     )
     for name, value in overrides.items():
         setattr(config, name, value)
+    return start_healthy(config)
+
+
+def start_healthy(config: LaunchConfig) -> LocalCluster:
+    """Starts `config`'s cluster and waits until it is healthy; stops it and prints its logs if it does not come up."""
     cluster = LocalCluster(config)
     cluster.start()
     try:
         cluster.wait_healthy(timeout=300)
     except Exception:
         cluster.stop(timeout=5)
-        print_logs(log_dir)
+        if config.log_dir is not None:
+            print_logs(Path(config.log_dir))
         raise
     return cluster
 
@@ -64,3 +72,11 @@ def start_cluster(log_dir: Path, **overrides: object) -> LocalCluster:
 def print_logs(log_dir: Path, tail: int = 4000) -> None:
     for log in sorted(log_dir.glob("*.log")):
         print(f"---- {log.name}\n{log.read_text(errors='replace')[-tail:]}")
+
+
+def assert_invalid_argument(client: GenerationClient, request: generation_pb2.GenerateRequest, field: str) -> None:
+    """The stream is refused with INVALID_ARGUMENT and the message names `field`."""
+    with pytest.raises(grpc.RpcError) as info:
+        list(client.stream(request))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert field in info.value.details(), info.value.details()

@@ -11,6 +11,7 @@ from services.client import GenerationClient, text_request
 from services.frontend.limits import ApiLimits
 from services.launcher import LocalCluster
 from services.rpc import common_pb2, generation_pb2
+from tests.services.probes import assert_invalid_argument
 
 pytestmark = pytest.mark.slow
 
@@ -42,10 +43,7 @@ GRPC_CASES: list[tuple[str, generation_pb2.GenerateRequest, str]] = [
 def test_grpc_limit_names_the_field(
     client: GenerationClient, case: str, request_: generation_pb2.GenerateRequest, field: str
 ) -> None:
-    with pytest.raises(grpc.RpcError) as info:
-        list(client.stream(request_))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    assert field in info.value.details(), info.value.details()
+    assert_invalid_argument(client, request_, field)
 
 
 def test_grpc_message_above_max_request_bytes(client: GenerationClient) -> None:

@@ -17,6 +17,7 @@ from services.client import GenerationClient, text_request
 from services.common.health import check
 from services.launcher import LaunchConfig, LocalCluster, free_port
 from tests.services.otlp_receiver import OtlpReceiver, ReceivedSpan
+from tests.services.probes import start_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -61,15 +62,7 @@ def traced(
         # NOTE: a short export delay so the test does not wait 5 s for each batch of spans.
         env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"},
     )
-    c = LocalCluster(config)
-    c.start()
-    try:
-        c.wait_healthy(timeout=300)
-    except Exception:
-        c.stop(timeout=5)
-        for log in sorted(Path(log_dir).glob("*.log")):
-            print(f"---- {log.name}\n{log.read_text()[-4000:]}")
-        raise
+    c = start_healthy(config)
     yield c
     codes = c.stop(timeout=60)
     assert codes == {"frontend": 0, "scheduler": 0, "worker0": 0}, codes

@@ -19,6 +19,7 @@ from services.rpc import common_pb2, generation_pb2, generation_pb2_grpc, schedu
 from services.scheduler.config import parse_scheduler_args
 from services.worker.config import parse_worker_args
 from tests.services.certs import make_test_pki
+from tests.services.probes import start_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -42,15 +43,7 @@ def secure_cluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -
             *("--prefix-cache-isolation", "api-key"),
         ],
     )
-    cluster = LocalCluster(config)
-    cluster.start()
-    try:
-        cluster.wait_healthy(timeout=300)
-    except Exception:
-        cluster.stop(timeout=5)
-        for log in sorted((tmp / "logs").glob("*.log")):
-            print(f"---- {log.name}\n{log.read_text()[-3000:]}")
-        raise
+    cluster = start_healthy(config)
     yield cluster
     assert cluster.stop(timeout=60) == {"frontend": 0, "scheduler": 0, "worker0": 0}
 

@@ -7,6 +7,7 @@ import pytest
 
 from services.client import GenerationClient, text_request
 from services.rpc import common_pb2, generation_pb2
+from tests.services.probes import assert_invalid_argument
 
 pytestmark = pytest.mark.slow
 
@@ -57,10 +58,7 @@ BAD_REQUESTS: list[tuple[str, generation_pb2.GenerateRequest, str]] = [
 def test_bad_request_is_invalid_argument(
     client: GenerationClient, case: str, request_: generation_pb2.GenerateRequest, field: str
 ) -> None:
-    with pytest.raises(grpc.RpcError) as info:
-        list(client.stream(request_))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    assert field in info.value.details(), info.value.details()
+    assert_invalid_argument(client, request_, field)
 
 
 def test_too_long_prompt_names_both_lengths(client: GenerationClient) -> None:
