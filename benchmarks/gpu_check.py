@@ -7,12 +7,14 @@ ones after it, and the JSON file is rewritten after each, so a run cut short sti
 2. `variants`     a decode growing from 1 to 4096 tokens adds no compiled variants after the first two (counts the
                   kernels' own caches: this is what the CPU tests can only model).
 3. `greedy`       a random-weight model with SmolLM2-135M's shapes: greedy tokens of the Triton backend == torch
-                  backend == transformers in float32, CUDA-graph decode == eager (asserted); Triton vs torch in
-                  bfloat16 (reported).
+                  backend == transformers in float32, CUDA-graph decode == eager (asserted); in bfloat16, each
+                  implementation's per-position top-1 agreement with float32 (reported, transformers' own beside).
 4. `kernel_bench` `benchmarks/kernels_bench.py` at SmolLM2 and Llama-3-8B attention shapes: decode as a fraction of
                   the HBM peak, prefill TFLOP/s, both against SDPA.
-5. `throughput`   `benchmarks/offline_throughput.py`'s workload, Pagoda vs transformers, on the same GPU, bf16.
-6. `kernel_tests` `pytest tests/kernels` on the device (CUDA tensors, fp32 / bf16 / fp16 against the torch
+5. `throughput`   `benchmarks/offline_throughput.py`'s workload, Pagoda vs transformers (`generate`, and a plain
+                  forward loop at batch 1), on the same GPU, bf16; then Pagoda alone on `--scale-requests`.
+6. `host_profile` cProfile of that scaled run: where the host's time goes between kernels.
+7. `kernel_tests` `pytest tests/kernels` on the device (CUDA tensors, fp32 / bf16 / fp16 against the torch
                   references), in a subprocess; last, because compiling its ~100 variants takes the longest.
 
 It needs only what the device image has (torch, triton, transformers, pytest) plus structlog, which travels as a
@@ -81,6 +83,8 @@ class Check:
     dry_run: bool
     deadline: float
     device: str = "cuda"
+    scale_requests: int = 0
+    scale_batched_tokens: tuple[int, ...] = (2048,)
     results: dict[str, dict[str, object]] = field(default_factory=dict)
     _model_dir: Path | None = None
 
@@ -189,7 +193,7 @@ def section_kernel_tests(c: Check) -> dict[str, object]:
         "pytest_seconds": round(time.monotonic() - t0, 1),
         "tail": tail,
     }
-    assert proc.returncode == 0, f"kernel tests failed: {summary}"
+    assert proc.returncode == 0, f"kernel tests failed: {summary}\n{tail}"
     return result
 
 
@@ -269,6 +273,48 @@ def _greedy_hf(model_dir: Path, device: str, prompts: list[list[int]], n: int) -
     return result
 
 
+def _top1_pagoda(model_dir: Path, device: str, backend: str, dtype: str, prompts: list[list[int]]) -> list[int]:
+    """The most likely next token at every prompt position after the first (teacher-forced, `prompt_logprobs`)."""
+    from engine_core import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), device=device, attention_backend=backend, dtype=dtype, num_kv_blocks=512)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    del llm
+    _free_gpu_memory()
+    return [next(t for t, lp in pos.items() if lp.rank == 1) for o in outs for pos in (o.prompt_logprobs or []) if pos]
+
+
+def _top1_hf(model_dir: Path, device: str, dtype: str, prompts: list[list[int]]) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    with torch.no_grad():
+        top = [model(torch.tensor([p], device=device)).logits[0, :-1].argmax(-1).tolist() for p in prompts]
+    del model
+    _free_gpu_memory()
+    return [t for row in top for t in row]
+
+
+def _bf16_top1_agreement(model_dir: Path, device: str, prompts: list[list[int]]) -> dict[str, float]:
+    """How often each bf16 implementation's most likely token matches float32's, over every prompt position.
+
+    NOTE: greedy streams of two correct bf16 implementations part at the first near-tie and never meet again, so
+    their agreement length says little; per-position top-1 agreement with float32, beside transformers' own bf16
+    figure, says whether the Triton path loses more precision than bf16 itself does.
+    """
+    ref = _top1_hf(model_dir, device, "float32", prompts)
+    runs = {
+        "transformers": _top1_hf(model_dir, device, "bfloat16", prompts),
+        "pagoda_triton": _top1_pagoda(model_dir, device, "triton", "bfloat16", prompts),
+        "pagoda_torch": _top1_pagoda(model_dir, device, "torch", "bfloat16", prompts),
+        "pagoda_triton_float32": _top1_pagoda(model_dir, device, "triton", "float32", prompts),
+    }
+    for name, top in runs.items():
+        assert len(top) == len(ref), (name, len(top), len(ref))
+    return {name: sum(a == b for a, b in zip(top, ref, strict=True)) / len(ref) for name, top in runs.items()}
+
+
 def section_greedy(c: Check) -> dict[str, object]:
     model_dir = c.model_dir()
     gen = torch.Generator().manual_seed(1)
@@ -293,6 +339,7 @@ def section_greedy(c: Check) -> dict[str, object]:
             for x, y in zip(bf16["triton"], bf16["torch"], strict=True)
         ]
         result["bfloat16_triton_vs_torch_tokens_agreeing_per_prompt"] = agree
+    result["bfloat16_top1_agreement_with_float32"] = _bf16_top1_agreement(model_dir, c.device, prompts)
     assert result["float32_triton_eq_torch_eq_transformers"], {"hf": hf, **fp32}
     assert result.get("float32_cuda_graphs_eq_eager", True), "CUDA-graph decode steps changed the tokens"
     return result
@@ -332,21 +379,94 @@ def section_throughput(c: Check) -> dict[str, object]:
         dtype=dtype,
     )
     vocab = int(c.shapes["vocab_size"])  # type: ignore[call-overload]
-    if c.dry_run:
-        wl = bench.make_workload(3, 0, vocab, (4, 12), (2, 5))
-    else:
-        wl = bench.make_workload(64, 0, vocab, (64, 512), (32, 256))
+    ranges = ((4, 12), (2, 5)) if c.dry_run else ((64, 512), (32, 256))
+    wl = bench.make_workload(3 if c.dry_run else 64, 0, vocab, *ranges)
     pagoda, _ = bench.run_pagoda(wl, args)
     _free_gpu_memory()
     hf = bench.run_hf(wl, args, str(c.model_dir()))
-    return {
+    _free_gpu_memory()
+    loop_ms = _hf_forward_loop_ms(c.model_dir(), c.device, dtype, args.batch1_prompt, args.batch1_tokens)
+    result: dict[str, object] = {
         "dtype": dtype,
         "requests": len(wl.prompts),
         "total_tokens": wl.total_tokens,
         "pagoda": vars(pagoda),
         "transformers": vars(hf),
+        "transformers_forward_loop_batch1_ms_per_token": loop_ms,
         "ratio_total_tok_s": pagoda.total_tok_s / hf.total_tok_s,
     }
+    # NOTE: 64 requests finish in about a second on a GPU; the same workload shape at `--scale-requests`, Pagoda
+    # alone with its own defaults (KV cache sized from free memory), is what a loaded machine does.
+    if c.scale_requests:
+        big = bench.make_workload(c.scale_requests, 1, vocab, *ranges)
+        for tokens in c.scale_batched_tokens:
+            scaled_args = argparse.Namespace(**(vars(args) | {"max_num_seqs": 256, "max_num_batched_tokens": tokens}))
+            scaled, _ = bench.run_pagoda(big, scaled_args)
+            _free_gpu_memory()
+            result[f"pagoda_scaled_{tokens}"] = {
+                "requests": c.scale_requests,
+                "max_num_seqs": 256,
+                "max_num_batched_tokens": tokens,
+                **vars(scaled),
+            }
+    return result
+
+
+def _hf_forward_loop_ms(model_dir: Path, device: str, dtype: str, prompt_len: int, n: int) -> float:
+    """Batch-1 greedy decode as a plain loop over transformers' forward with its KV cache (no `generate`): the
+    model's own per-token cost on this device, beside what `generate` adds."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
+    ids = torch.tensor([importlib.import_module("workload").batch1_prompt(prompt_len)], device=device)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = model(input_ids=token, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        _sync()
+    ms = (time.perf_counter() - t0) / n * 1000
+    del model, past
+    _free_gpu_memory()
+    return ms
+
+
+def section_host_profile(c: Check) -> dict[str, object]:
+    """cProfile of `LLM.generate` over the scaled workload: what the host does per step while the GPU computes
+    (on a GPU a small model's steps are bound by the host, not by the kernels)."""
+    import cProfile
+    import io
+    import pstats
+
+    from engine_core import LLM, SamplingParams
+
+    bench = importlib.import_module("offline_throughput")
+    vocab = int(c.shapes["vocab_size"])  # type: ignore[call-overload]
+    ranges = ((4, 12), (2, 5)) if c.dry_run else ((64, 512), (32, 256))
+    wl = bench.make_workload(c.scale_requests or 64, 1, vocab, *ranges)
+    dtype = "float32" if c.dry_run else "bfloat16"
+    llm = LLM(str(c.model_dir()), device=c.device, dtype=dtype, max_num_seqs=256, kv_cache_memory=8.0)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
+    prompts = [{"prompt_token_ids": p} for p in wl.prompts]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    llm.generate(prompts, params, use_tqdm=False)
+    profiler.disable()
+    seconds = time.perf_counter() - t0
+    del llm
+    _free_gpu_memory()
+    tables = {}
+    for order in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(profiler, stream=buf).sort_stats(order).print_stats(30)
+        tables[order] = buf.getvalue()[-6000:]
+    print(tables["tottime"])
+    return {"requests": len(wl.prompts), "seconds_profiled": seconds, "top_by": tables}
 
 
 # Section name, function, seconds it needs at least (on a GPU) to be worth starting.
@@ -358,6 +478,7 @@ SECTIONS: list[tuple[str, Callable[[Check], dict[str, object]], float]] = [
     ("greedy", section_greedy, 60),
     ("kernel_bench", section_kernel_bench, 90),
     ("throughput", section_throughput, 90),
+    ("host_profile", section_host_profile, 60),
     ("kernel_tests", section_kernel_tests, 60),
 ]
 
@@ -368,6 +489,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=540.0, help="stop starting sections after this many seconds")
     ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes: wiring only")
     ap.add_argument("--only", default=None, help="comma list of sections to run (default: all)")
+    ap.add_argument("--scale-requests", type=int, default=1024, help="throughput: Pagoda alone on this many requests")
+    ap.add_argument("--scale-batched-tokens", default="2048,8192", help="max_num_batched_tokens of those runs")
     args = ap.parse_args(argv)
     if importlib.util.find_spec("structlog") is None:
         sys.exit("structlog is missing: run `make gpu-wheels` here and carry .whl (docs/kernels.md, GPU check)")
@@ -376,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         dry_run=args.dry_run,
         deadline=time.monotonic() + args.budget_s,
         device="cpu" if args.dry_run else "cuda",
+        scale_requests=4 if args.dry_run else args.scale_requests,
+        scale_batched_tokens=tuple(int(t) for t in args.scale_batched_tokens.split(",")),
     )
     wanted = set(args.only.split(",")) if args.only else {name for name, _, _ in SECTIONS}
     failed = []

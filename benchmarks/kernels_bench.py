@@ -170,7 +170,9 @@ def bench_decode(
     return rows
 
 
-def _prefill_case(shape: AttnShape, seqs: int, ctx: int, qlen: int, block_size: int, device: str) -> dict[str, float]:
+def _prefill_case(
+    shape: AttnShape, seqs: int, ctx: int, qlen: int, block_size: int, device: str, tile: tuple[int, int, int] | None
+) -> dict[str, float]:
     from kernels.triton import prefill_attention
 
     NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = shape.num_heads, shape.num_kv_heads, shape.head_dim
@@ -195,7 +197,10 @@ def _prefill_case(shape: AttnShape, seqs: int, ctx: int, qlen: int, block_size: 
         k_sdpa, v_sdpa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
 
     def triton_fn() -> torch.Tensor:
-        return prefill_attention(q_flat, k_cache, v_cache, tables, lens, starts, scale, qlen, out=out)
+        block_m, block_n, warps = tile or (None, None, None)
+        return prefill_attention(
+            q_flat, k_cache, v_cache, tables, lens, starts, scale, qlen, out, block_m, block_n, warps
+        )
 
     def sdpa_fn() -> torch.Tensor:
         if mask is None:
@@ -224,15 +229,17 @@ def bench_prefill(
     block_size: int,
     cases: tuple[tuple[int, int, int], ...] = PREFILL_CASES,
     device: str = "cuda",
+    tile: tuple[int, int, int] | None = None,
 ) -> list[dict[str, float]]:
+    """`tile`: (block_m, block_n, num_warps) of the Triton kernel; None = its defaults."""
     print(
         f"\n== prefill (causal): {shape.num_heads} q heads / {shape.num_kv_heads} kv heads, "
-        f"head dim {shape.head_dim}, bf16"
+        f"head dim {shape.head_dim}, bf16" + (f", tile {tile}" if tile else "")
     )
     print(f"{'seqs':>5} {'ctx':>6} {'chunk':>6} {'triton ms':>10} {'TFLOP/s':>8} {'sdpa ms':>9} {'sdpa TFLOP/s':>12}")
     rows = []
     for seqs, ctx, qlen in cases:
-        r = _prefill_case(shape, seqs, ctx, qlen, block_size, device)
+        r = _prefill_case(shape, seqs, ctx, qlen, block_size, device, tile)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         rows.append(r)
@@ -249,6 +256,11 @@ def main() -> None:
     parser.add_argument("--hbm-peak-gbs", type=float, default=None, help="HBM peak in GB/s; default by device name")
     parser.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
     parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+    parser.add_argument(
+        "--prefill-tiles",
+        default="",
+        help="also sweep the prefill kernel over these BLOCK_MxBLOCK_NxWARPS tiles, e.g. 64x64x4,128x64x8",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("kernels_bench.py needs a CUDA GPU: no CUDA device is visible (the CPU interpreter is far too slow).")
@@ -265,6 +277,9 @@ def main() -> None:
             "decode": bench_decode(shape, args.block_size, peak),
             "prefill": bench_prefill(shape, args.block_size),
         }
+        for spec in filter(None, args.prefill_tiles.split(",")):
+            m, n, w = (int(x) for x in spec.split("x"))
+            results[key][f"prefill_{spec}"] = bench_prefill(shape, args.block_size, tile=(m, n, w))  # type: ignore[index]
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

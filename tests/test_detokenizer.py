@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_core.detokenizer import DetokenizerDelta, IncrementalDetokenizer
+from engine_core.detokenizer import DetokenizerDelta, IncrementalDetokenizer, decode_function
 from engine_core.sampling_params import SamplingParams
 
 PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
@@ -177,3 +177,13 @@ def test_deltas_concatenate_to_the_text(smollm2_tokenizer: Any, chunks: int) -> 
     detok, deltas = stream(smollm2_tokenizer, text, chunks=chunks, stop=["END"])
     assert detok.output_text == "Sure! Here is a list:\n1. 日本\n2. café 😀\n"
     assert sum(1 for d in deltas if d.stop_string) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 49151), max_size=12), skip_special=st.booleans())
+def test_decode_function_is_the_tokenizers_decode(smollm2_tokenizer: Any, ids: list[int], skip_special: bool) -> None:
+    """The fast path (the Rust backend's decode) returns what `tokenizer.decode` does, special tokens included."""
+    tok = smollm2_tokenizer
+    assert hasattr(tok, "backend_tokenizer")  # the path under test is the one taken for the real model
+    expected = tok.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
+    assert decode_function(tok, skip_special)(ids) == expected

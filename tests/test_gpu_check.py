@@ -28,6 +28,7 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path: Path) -> None:
         "greedy": "ok",
         "kernel_bench": "ok",
         "throughput": "ok",
+        "host_profile": "ok",
         "kernel_tests": "ok",
     }
     assert report["environment"]["triton_interpreted"] == (not torch.cuda.is_available())
@@ -38,4 +39,7 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path: Path) -> None:
         assert len(report["kernel_bench"][shape]["prefill"]) == 1
     assert report["throughput"]["pagoda"]["output_tok_s"] > 0
     assert report["throughput"]["transformers"]["output_tok_s"] > 0
+    assert report["throughput"]["pagoda_scaled_8192"]["requests"] == 4
+    assert 0 <= report["greedy"]["bfloat16_top1_agreement_with_float32"]["pagoda_triton_float32"] <= 1
+    assert "engine_core" in report["host_profile"]["top_by"]["cumulative"]
     assert "2 passed" in report["kernel_tests"]["summary"]

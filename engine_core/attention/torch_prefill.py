@@ -59,12 +59,13 @@ class TorchPrefill:
     def prepare(self, meta: AttentionMetadata) -> int:
         """Builds this step's masks; returns the workspace blocks the largest chunk needs."""
         self._masks = []
+        device = meta.slot_mapping.device  # NOTE: masks live where the queries do (SDPA rejects a CPU mask on CUDA)
         for qlen, seq_len in zip(meta.prefill_query_lens_cpu, meta.prefill_seq_lens_cpu, strict=True):
             if qlen == seq_len:
                 self._masks.append(None)  # no cached context: plain causal
                 continue
-            q_pos = torch.arange(seq_len - qlen, seq_len)[:, None]
-            self._masks.append(additive_mask(torch.arange(seq_len)[None, :] <= q_pos))
+            q_pos = torch.arange(seq_len - qlen, seq_len, device=device)[:, None]
+            self._masks.append(additive_mask(torch.arange(seq_len, device=device)[None, :] <= q_pos))
         return max((-(-s // self.block_size) for s in meta.prefill_seq_lens_cpu), default=0)
 
     def cast_masks(self, dtype: torch.dtype) -> None:

@@ -126,6 +126,7 @@ def prefill_attention(
     out: torch.Tensor | None = None,  # [num_query_tokens, num_heads, head_dim]
     block_m: int | None = None,  # queries per program (power of two >= 16); None = 64
     block_n: int | None = None,  # keys per tile (power of two >= 16); None = 64
+    num_warps: int | None = None,  # None = triton's default (4)
 ) -> torch.Tensor:
     """Causal attention of every chunk's queries over their paged context. Returns `out`."""
     num_tokens, num_heads, head_dim = q.shape
@@ -143,6 +144,7 @@ def prefill_attention(
         return out
     q, k_cache, v_cache = last_dim_contiguous(q), last_dim_contiguous(k_cache), last_dim_contiguous(v_cache)
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    # NOTE: 64x64 tiles, 4 warps: an H100 sweep (docs/kernels.md) found no tile faster on every case.
     # NOTE: one program per *query* head: the GQA group re-reads the same K/V tile, but from L2 (programs of a group
     # are adjacent: heads are grid axis 0, the fastest-varying). Prefill is compute bound, so folding the group into
     # the M dimension would buy little here.
@@ -171,5 +173,6 @@ def prefill_attention(
         BLOCK_N=block_n,
         BLOCK_D=pow2_at_least(head_dim, 16),
         DOT_FP32=use_fp32_dot(q),
+        **({"num_warps": num_warps} if num_warps else {}),
     )
     return out

@@ -54,7 +54,8 @@ class _Keys:
         self._kernel.pre_run_hooks.remove(self._record)  # type: ignore[attr-defined]
 
     def _record(self, *args: object, **kwargs: object) -> None:
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+        # NOTE: triton 3.6 passes `debug` to the hooks too; 3.9 does not. The binder takes it once, here.
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup", "debug")}
         _, specialization, _ = self._binder(*args, **kwargs, debug=False)
         self.keys.add(repr(specialization))
 

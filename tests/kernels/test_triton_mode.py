@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
     """Runs `code` in a fresh interpreter (module state such as sys.modules and TRITON_INTERPRET starts clean)."""
     clean = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    clean["PYTHONPATH"] = str(ROOT)
+    # NOTE: keep an outer PYTHONPATH (the GPU image's packages travel as wheels on it) after this checkout.
+    clean["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     return subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=clean | env, capture_output=True, text=True, timeout=120
     )
