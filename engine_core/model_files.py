@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 import structlog
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 log = structlog.get_logger(__name__)
 
@@ -102,8 +102,22 @@ def resolve_model_dir(model: str | None, cache_dir: str) -> str:
     )
 
 
+def read_config_file(model_dir: str) -> PretrainedConfig:
+    """config.json as written, in transformers' base config class (no model-specific defaults filled in).
+
+    NOTE: `AutoConfig` imports the model's own config class, and in transformers 5 that import pulls in
+    `torch._dynamo` and the hub-kernel integrations: 2.3 s of CPU in the worker and 3.3 s in the frontend on this
+    machine, both on `pagoda serve`'s start-up path. The base class needs none of that.
+    """
+    config = PretrainedConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
+    config._name_or_path = model_dir  # what AutoConfig records; AutoTokenizer matches it against known hub ids
+    return config
+
+
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(model_dir)
+    # NOTE: AutoTokenizer reads only the config's model_type, tokenizer_class and name to choose the tokenizer
+    # class, so the base config chooses exactly as the model's own class would (tests/test_model_files.py).
+    return AutoTokenizer.from_pretrained(model_dir, config=read_config_file(model_dir))
 
 
 def read_generation_eos(model_dir: str) -> list[int]:
