@@ -7,8 +7,11 @@
 - `attention`: one layer of decode attention (9 query / 3 KV heads, head dim 64, block size 16, shuffled block
   tables, context lengths uniform in [ctx/4, ctx] sorted longest-first as the engine hands them over): the torch
   backend (gather into a workspace + SDPA, in length groups) against the native paged kernel.
+- `prefill`: one layer of prefill attention (same heads, shuffled block tables): gather + SDPA per chunk (the
+  `torch` backend's `TorchPrefill`) against the native paged prefill kernel, in causal GFLOP/s (4 * D * H flops
+  per visible (query, key) pair).
 
-    python benchmarks/cpu_bench.py [gemm|attention|all] [--threads 2]
+    python benchmarks/cpu_bench.py [gemm|attention|prefill|all] [--threads 2]
 
 Appends one JSON line per run to benchmarks/results/cpu_bench.jsonl. Numbers from a quiet machine only: another
 busy process on a 2-core box halves them.
@@ -137,9 +140,73 @@ def bench_attention() -> list[dict[str, object]]:
     return rows_out
 
 
+def bench_prefill() -> list[dict[str, object]]:
+    from engine_core.attention.backend import AttentionMetadata
+    from engine_core.attention.torch_prefill import GatherWorkspace, TorchPrefill
+    from kernels import cpu as cpu_kernels
+
+    heads, kv_heads, head_dim, bs, pool = 9, 3, 64, 16, 4096
+    scale = head_dim**-0.5
+    g = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, pool, bs, kv_heads, head_dim, generator=g)
+    rows_out: list[dict[str, object]] = []
+    print(f"{'case':>22} {'gather+sdpa ms':>15} {'native ms':>10} {'sdpa GFLOP/s':>13} {'native GFLOP/s':>15}")
+    # (cached context, chunk length) per chunk: a 5-prompt prefill step; one long extend over a cached prefix.
+    cases = {
+        "5 x ~410, no context": [(0, 400), (0, 410), (0, 420), (0, 400), (0, 418)],
+        "512 over 1536 cached": [(1536, 512)],
+        "16 x 128, no context": [(0, 128)] * 16,
+    }
+    for name, chunks in cases.items():
+        qlens = [q for _, q in chunks]
+        seq_lens = [c + q for c, q in chunks]
+        width = max(-(-s // bs) for s in seq_lens)
+        tables = (torch.randperm(pool - 1, generator=g)[: len(chunks) * width] + 1).view(len(chunks), width).int()
+        q = torch.randn(sum(qlens), heads, head_dim, generator=g)
+        starts = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        meta = AttentionMetadata(
+            num_decodes=0,
+            num_prefills=len(chunks),
+            slot_mapping=torch.full((sum(qlens),), -1, dtype=torch.long),
+            decode_seq_lens=torch.zeros(0, dtype=torch.int32),
+            decode_block_tables=torch.zeros(0, width, dtype=torch.int32),
+            max_decode_seq_len=0,
+            prefill_query_start_loc=starts,
+            prefill_seq_lens=lens,
+            prefill_block_tables=tables,
+            max_prefill_query_len=max(qlens),
+            prefill_query_lens_cpu=qlens,
+            prefill_seq_lens_cpu=seq_lens,
+        )
+        ref = TorchPrefill(kv_heads, head_dim, bs, scale)
+        ws = GatherWorkspace(bs, kv_heads, head_dim)
+        ws.needed_blocks = ref.prepare(meta)
+        out = torch.empty_like(q)
+        with torch.inference_mode():
+            torch_ms = timed(partial(ref.forward, q, cache, meta, ws.buffer(cache), out))
+            native_ms = timed(partial(cpu_kernels.paged_prefill_attention, q, cache, tables, lens, starts, scale))
+        pairs = sum(q * c + q * (q + 1) // 2 for c, q in chunks)  # visible (query, key) pairs per head
+        gflop = 4 * head_dim * heads * pairs / 1e9
+        row = {
+            "case": name,
+            "torch_ms": torch_ms,
+            "native_ms": native_ms,
+            "torch_gflop_s": gflop / torch_ms * 1e3,
+            "native_gflop_s": gflop / native_ms * 1e3,
+        }
+        print(
+            f"{name:>22} {torch_ms:>15.2f} {native_ms:>10.2f} {row['torch_gflop_s']:>13.1f}"
+            f" {row['native_gflop_s']:>15.1f}",
+            flush=True,
+        )
+        rows_out.append(row)
+    return rows_out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", nargs="?", default="all", choices=["gemm", "attention", "all"])
+    ap.add_argument("which", nargs="?", default="all", choices=["gemm", "attention", "prefill", "all"])
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -156,6 +223,8 @@ def main() -> None:
         record["gemm"] = bench_gemm()
     if args.which in ("attention", "all"):
         record["attention"] = bench_attention()
+    if args.which in ("prefill", "all"):
+        record["prefill"] = bench_prefill()
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with RESULTS.open("a") as f:
         f.write(json.dumps(record) + "\n")

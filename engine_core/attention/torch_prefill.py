@@ -1,4 +1,5 @@
-"""Torch pieces shared by the `torch` and `cpu` backends: the gather workspace and prefill chunks through SDPA.
+"""Torch pieces of the `torch` backend: the gather workspace and prefill chunks through SDPA (the `cpu` backend has a
+native paged prefill kernel instead).
 
 NOTE: the paged cache is read by gathering each sequence's blocks into a workspace that is allocated once per
 step and reused by every layer. A fresh 30-70 MB tensor per layer costs more in page faults than the copy itself

@@ -20,7 +20,13 @@ log = structlog.get_logger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "fused_ops.cpp", "panel_linear.cpp", "decode_step.cpp")
+    for name in (
+        "paged_attention.cpp",
+        "prefill_attention.cpp",
+        "fused_ops.cpp",
+        "panel_linear.cpp",
+        "decode_step.cpp",
+    )
 ]
 _HEADERS = [Path(__file__).with_name("ops.h")]
 _NAME = "pagoda_cpu_kernels"
@@ -102,6 +108,23 @@ def paged_decode_attention(
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.pagoda_cpu.paged_decode_attention(out, q, kv_cache, block_tables, seq_lens, scale)
+    return out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, H, D] float32, rows may be strided (a view into the qkv projection)
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, H_kv, D] float32, the chunks' own K/V already stored
+    block_tables: torch.Tensor,  # [C, max_blocks] int32
+    seq_lens: torch.Tensor,  # [C] int32, context length after each chunk
+    query_start_loc: torch.Tensor,  # [C + 1] int32, chunk c's queries are rows start[c]:start[c + 1] of q
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of each prefill chunk's queries (the last `qlen` positions of its context) over the paged
+    cache; rows of q outside every chunk are left untouched in `out`."""
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    torch.ops.pagoda_cpu.paged_prefill_attention(out, q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
     return out
 
 

@@ -7,6 +7,9 @@ namespace pagoda {
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale);
+void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_start_loc, double scale);
 void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps);
