@@ -91,21 +91,30 @@ def bench_gemm() -> list[dict[str, object]]:
     return rows_out
 
 
+# One layer of SmolLM2-135M's attention over a paged cache of ATTN_POOL blocks (both attention benches).
+ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK, ATTN_POOL = 9, 3, 64, 16, 4096
+
+
+def _shuffled_tables(g: torch.Generator, rows: int, width: int) -> torch.Tensor:
+    """Block tables of distinct, shuffled blocks (block 0 left out)."""
+    return (torch.randperm(ATTN_POOL - 1, generator=g)[: rows * width] + 1).view(rows, width).int()
+
+
 def bench_attention() -> list[dict[str, object]]:
     from engine_core.attention.backend import AttentionMetadata
     from engine_core.attention.torch_backend import TorchAttentionBackend
     from kernels import cpu as cpu_kernels
 
-    heads, kv_heads, head_dim, bs, pool = 9, 3, 64, 16, 4096
+    heads, kv_heads, head_dim, bs = ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
     scale = head_dim**-0.5
     g = torch.Generator().manual_seed(0)
-    cache = torch.randn(2, pool, bs, kv_heads, head_dim, generator=g)
+    cache = torch.randn(2, ATTN_POOL, bs, kv_heads, head_dim, generator=g)
     rows_out: list[dict[str, object]] = []
     print(f"{'batch':>5} {'ctx':>5} {'gather+sdpa ms':>15} {'native ms':>10} {'native GB/s':>12}")
     for batch, ctx in ((1, 200), (8, 300), (32, 400), (64, 400), (64, 700)):
         lens = torch.randint(ctx // 4, ctx + 1, (batch,), generator=g).sort(descending=True).values.int()
         width = -(-ctx // bs)
-        tables = (torch.randperm(pool - 1, generator=g)[: batch * width] + 1).view(batch, width).int()
+        tables = _shuffled_tables(g, batch, width)
         q = torch.randn(batch, heads, head_dim, generator=g)
         meta = AttentionMetadata(
             num_decodes=batch,
@@ -125,7 +134,7 @@ def bench_attention() -> list[dict[str, object]]:
         ref.prepare(meta)
         out = torch.empty_like(q)
         with torch.inference_mode():
-            torch_ms = timed(partial(ref._decode, q, cache, meta, ref._buffers(cache), out))
+            torch_ms = timed(partial(ref._decode, q, cache, meta, ref._workspace.buffer(cache), out))
             native_ms = timed(partial(cpu_kernels.paged_decode_attention, q, cache, tables, lens, scale))
         kv_bytes = int(lens.sum()) * 2 * kv_heads * head_dim * 4
         row = {
@@ -145,10 +154,10 @@ def bench_prefill() -> list[dict[str, object]]:
     from engine_core.attention.torch_prefill import GatherWorkspace, TorchPrefill
     from kernels import cpu as cpu_kernels
 
-    heads, kv_heads, head_dim, bs, pool = 9, 3, 64, 16, 4096
+    heads, kv_heads, head_dim, bs = ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
     scale = head_dim**-0.5
     g = torch.Generator().manual_seed(0)
-    cache = torch.randn(2, pool, bs, kv_heads, head_dim, generator=g)
+    cache = torch.randn(2, ATTN_POOL, bs, kv_heads, head_dim, generator=g)
     rows_out: list[dict[str, object]] = []
     print(f"{'case':>22} {'gather+sdpa ms':>15} {'native ms':>10} {'sdpa GFLOP/s':>13} {'native GFLOP/s':>15}")
     # (cached context, chunk length) per chunk: a 5-prompt prefill step; one long extend over a cached prefix.
@@ -161,7 +170,7 @@ def bench_prefill() -> list[dict[str, object]]:
         qlens = [q for _, q in chunks]
         seq_lens = [c + q for c, q in chunks]
         width = max(-(-s // bs) for s in seq_lens)
-        tables = (torch.randperm(pool - 1, generator=g)[: len(chunks) * width] + 1).view(len(chunks), width).int()
+        tables = _shuffled_tables(g, len(chunks), width)
         q = torch.randn(sum(qlens), heads, head_dim, generator=g)
         starts = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()], dtype=torch.int32)
         lens = torch.tensor(seq_lens, dtype=torch.int32)

@@ -92,6 +92,17 @@ class Check:
     def shapes(self) -> dict[str, object]:
         return TINY_SHAPES if self.dry_run else SMOLLM2_SHAPES
 
+    @property
+    def dtype(self) -> str:
+        """The throughput runs' dtype: bf16 on a GPU; fp32 in a dry run (the interpreter's dots are fp32)."""
+        return "float32" if self.dry_run else "bfloat16"
+
+    def workload(self, n: int, seed: int) -> object:
+        """`offline_throughput`'s workload shape (prompts 64-512, outputs 32-256; tiny in a dry run)."""
+        ranges = ((4, 12), (2, 5)) if self.dry_run else ((64, 512), (32, 256))
+        vocab = int(self.shapes["vocab_size"])  # type: ignore[call-overload]
+        return importlib.import_module("offline_throughput").make_workload(n, seed, vocab, *ranges)
+
     def time_left(self) -> float:
         return self.deadline - time.monotonic()
 
@@ -366,7 +377,7 @@ def section_kernel_bench(c: Check) -> dict[str, object]:
 
 def section_throughput(c: Check) -> dict[str, object]:
     bench = importlib.import_module("offline_throughput")
-    dtype = "float32" if c.dry_run else "bfloat16"
+    dtype = c.dtype
     args = argparse.Namespace(
         model=str(c.model_dir()),
         kv_cache_memory=1.0,
@@ -378,14 +389,13 @@ def section_throughput(c: Check) -> dict[str, object]:
         device=c.device,
         dtype=dtype,
     )
-    vocab = int(c.shapes["vocab_size"])  # type: ignore[call-overload]
-    ranges = ((4, 12), (2, 5)) if c.dry_run else ((64, 512), (32, 256))
-    wl = bench.make_workload(3 if c.dry_run else 64, 0, vocab, *ranges)
+    wl = c.workload(3 if c.dry_run else 64, 0)
     pagoda, _ = bench.run_pagoda(wl, args)
     _free_gpu_memory()
     hf = bench.run_hf(wl, args, str(c.model_dir()))
     _free_gpu_memory()
-    loop_ms = _hf_forward_loop_ms(c.model_dir(), c.device, dtype, args.batch1_prompt, args.batch1_tokens)
+    prompt = bench.batch1_prompt(args.batch1_prompt)
+    loop_ms = _hf_forward_loop_ms(c.model_dir(), c.device, dtype, prompt, args.batch1_tokens)
     result: dict[str, object] = {
         "dtype": dtype,
         "requests": len(wl.prompts),
@@ -398,7 +408,7 @@ def section_throughput(c: Check) -> dict[str, object]:
     # NOTE: 64 requests finish in about a second on a GPU; the same workload shape at `--scale-requests`, Pagoda
     # alone with its own defaults (KV cache sized from free memory), is what a loaded machine does.
     if c.scale_requests:
-        big = bench.make_workload(c.scale_requests, 1, vocab, *ranges)
+        big = c.workload(c.scale_requests, 1)
         for tokens in c.scale_batched_tokens:
             scaled_args = argparse.Namespace(**(vars(args) | {"max_num_seqs": 256, "max_num_batched_tokens": tokens}))
             scaled, _ = bench.run_pagoda(big, scaled_args)
@@ -412,13 +422,13 @@ def section_throughput(c: Check) -> dict[str, object]:
     return result
 
 
-def _hf_forward_loop_ms(model_dir: Path, device: str, dtype: str, prompt_len: int, n: int) -> float:
+def _hf_forward_loop_ms(model_dir: Path, device: str, dtype: str, prompt: list[int], n: int) -> float:
     """Batch-1 greedy decode as a plain loop over transformers' forward with its KV cache (no `generate`): the
     model's own per-token cost on this device, beside what `generate` adds."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).to(device).eval()
-    ids = torch.tensor([importlib.import_module("workload").batch1_prompt(prompt_len)], device=device)
+    ids = torch.tensor([prompt], device=device)
     with torch.no_grad():
         out = model(input_ids=ids, use_cache=True)
         past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
@@ -443,12 +453,8 @@ def section_host_profile(c: Check) -> dict[str, object]:
 
     from engine_core import LLM, SamplingParams
 
-    bench = importlib.import_module("offline_throughput")
-    vocab = int(c.shapes["vocab_size"])  # type: ignore[call-overload]
-    ranges = ((4, 12), (2, 5)) if c.dry_run else ((64, 512), (32, 256))
-    wl = bench.make_workload(c.scale_requests or 64, 1, vocab, *ranges)
-    dtype = "float32" if c.dry_run else "bfloat16"
-    llm = LLM(str(c.model_dir()), device=c.device, dtype=dtype, max_num_seqs=256, kv_cache_memory=8.0)
+    wl = c.workload(c.scale_requests or 64, 1)
+    llm = LLM(str(c.model_dir()), device=c.device, dtype=c.dtype, max_num_seqs=256, kv_cache_memory=8.0)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)

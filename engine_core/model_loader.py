@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from collections.abc import Iterator
@@ -12,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from engine_core.model_files import read_config_file
+from engine_core.model_files import read_config_file, read_config_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,11 +36,11 @@ def load_config(model_dir: str) -> PretrainedConfig:
     fill in defaults (Mistral's sliding window, missing KV heads) and standardise RoPE scaling."""
     # NOTE: presence is checked in the file, not on the config object: the base class has defaults of its own
     # (tie_word_embeddings=True) that differ from Llama's.
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    raw = read_config_json(model_dir)
     rope = raw.get("rope_parameters") or {}
     plain_rope = rope.get("rope_type", "default") == "default" and not raw.get("rope_scaling")
     if raw.get("model_type") == "llama" and plain_rope and all(k in raw for k in _LLAMA_KEYS):
-        return read_config_file(model_dir)
+        return read_config_file(model_dir, raw)
     return AutoConfig.from_pretrained(model_dir)
 
 
