@@ -3,8 +3,9 @@
 //
 // Why a native kernel: gather + SDPA moves every K/V byte three times (gather read, gather write, SDPA read) and
 // SDPA's flash kernel is overhead-bound at one query row (~13 GFLOP/s here). This kernel reads each K/V row once:
-// one work item per (sequence, KV head) computes the scores of the KV head's whole query group against each K
-// row while it is in L1, then a softmax, then one pass over V. Built at first use by kernels/cpu/__init__.py.
+// a work item (a sequence and a range of its KV heads) walks the sequence's K rows in chunks of up to 16 tokens,
+// scoring every query head of the range against each chunk while it is in L1, then a softmax, then the same walk
+// over V. Built at first use by kernels/cpu/__init__.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -20,58 +21,120 @@
 // compiler assume no infinities. Declaring the SIMD variant ourselves keeps IEEE semantics and a vectorised exp.
 extern "C" __attribute__((__simd__("notinbranch"))) float expf(float) noexcept;
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-constexpr bool kHaveAvx2 = true;
+constexpr int64_t kChunk = 16;  // K/V rows scored or accumulated per step of the walk (one AVX-512 register of scores)
 
-// Sum of each of 8 vectors, returned as one vector (lane t = sum of a[t]).
-inline __m256 reduce8(const __m256* a) {
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  // s0123 = [t0 t1 t2 t3 | t0 t1 t2 t3] halves (low lanes, high lanes); same for s4567.
-  const __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
-  const __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-  return _mm256_add_ps(lo, hi);
-}
-
-// scores[t] = scale * q . k_t for 8 K rows `row` floats apart (D % 8 == 0).
-inline void dot8(const float* q, const float* k, int64_t row, int64_t D, float scale, float* scores) {
-  __m256 acc[8];
-  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t c = 0; c < D; c += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + c);
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + t * row + c), acc[t]);
+// Loads every cache line of `n` rows (`floats` floats each, `row` floats apart) once, discarding the data.
+// NOTE: why: decode attention is bound by the K/V reads, and a dense run of independent loads keeps many more
+// misses in flight than the FMA chains of the scoring loop, whose loads wait behind their arithmetic. Measured
+// (64 sequences x ~440 tokens, SmolLM2 heads, 2 threads, blocks in allocation order): 2.98 -> 1.33 ms per layer;
+// software prefetch of the next chunk instead was slower, and a larger block size gained nothing in the engine.
+inline void touch_rows(const float* p, int64_t n, int64_t row, int64_t floats) {
+  float sink = 0.0f;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* r = p + t * row;
+    for (int64_t i = 0; i < floats; i += 16) sink += r[i];
+    sink += r[floats - 1];
   }
-  _mm256_storeu_ps(scores, _mm256_mul_ps(reduce8(acc), _mm256_set1_ps(scale)));
+  asm volatile("" : : "x"(sink));
 }
 
-// o[0:D] += sum_t p[t] * v_t for n V rows `row` floats apart (D % 32 == 0): four accumulators in registers.
-inline void axpy_rows(const float* p, const float* v, int64_t n, int64_t row, int64_t D, float* o) {
-  for (int64_t c = 0; c < D; c += 32) {
-    __m256 a0 = _mm256_loadu_ps(o + c), a1 = _mm256_loadu_ps(o + c + 8);
-    __m256 a2 = _mm256_loadu_ps(o + c + 16), a3 = _mm256_loadu_ps(o + c + 24);
-    for (int64_t t = 0; t < n; ++t) {
-      const float* vt = v + t * row + c;
-      const __m256 pt = _mm256_set1_ps(p[t]);
-      a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt), a0);
-      a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8), a1);
-      a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 16), a2);
-      a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 24), a3);
+#if defined(__AVX512F__)
+// Lane j of the result = the sum of the 16 lanes of a[j] (a transpose-and-add tree: 15 adds for 16 sums).
+inline __m512 reduce16(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+// scores[t] = scale * q . k_t for 16 K rows `row` floats apart; NC = head_dim / 16.
+template <int NC>
+inline void score16(const float* q, const float* k, int64_t row, float scale, float* scores) {
+  __m512 qv[NC], acc[16];
+  for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+#pragma GCC unroll 16
+  for (int t = 0; t < 16; ++t) {
+    acc[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + t * row));
+#pragma GCC unroll 8
+    for (int c = 1; c < NC; ++c) acc[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + t * row + 16 * c), acc[t]);
+  }
+  _mm512_storeu_ps(scores, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
+}
+
+// o_g += sum_t p_g[t] * v_t for GG query heads sharing n V rows: GG x NC accumulators stay in registers, each V
+// row is loaded once for the whole group (independent FMA chains, not one chain per output register).
+template <int NC, int GG>
+inline void accumulate_group(const float* const* p, const float* v, int64_t n, int64_t row, float* const* o) {
+  __m512 acc[GG][NC];
+  for (int g = 0; g < GG; ++g)
+    for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_loadu_ps(o[g] + 16 * c);
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 vv[NC];
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + t * row + 16 * c);
+#pragma GCC unroll 4
+    for (int g = 0; g < GG; ++g) {
+      const __m512 pt = _mm512_set1_ps(p[g][t]);
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_fmadd_ps(pt, vv[c], acc[g][c]);
     }
-    _mm256_storeu_ps(o + c, a0);
-    _mm256_storeu_ps(o + c + 8, a1);
-    _mm256_storeu_ps(o + c + 16, a2);
-    _mm256_storeu_ps(o + c + 24, a3);
+  }
+  for (int g = 0; g < GG; ++g)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o[g] + 16 * c, acc[g][c]);
+}
+
+template <int NC, int MaxGG>
+inline void accumulate_heads(const float* const* p, int64_t G, const float* v, int64_t n, int64_t row, float* const* o) {
+  for (int64_t g = 0; g < G; g += MaxGG) {
+    switch (std::min<int64_t>(MaxGG, G - g)) {
+      case 1: accumulate_group<NC, 1>(p + g, v, n, row, o + g); break;
+      case 2: accumulate_group<NC, 2>(p + g, v, n, row, o + g); break;
+      case 3: if constexpr (MaxGG >= 3) accumulate_group<NC, 3>(p + g, v, n, row, o + g); break;
+      default: if constexpr (MaxGG >= 4) accumulate_group<NC, 4>(p + g, v, n, row, o + g); break;
+    }
   }
 }
-#else
-constexpr bool kHaveAvx2 = false;
-inline void dot8(const float*, const float*, int64_t, int64_t, float, float*) {}
-inline void axpy_rows(const float*, const float*, int64_t, int64_t, int64_t, float*) {}
 #endif
+
+// scores[t] = scale * q . k_t for n K rows `row` floats apart.
+inline void score_rows(const float* q, const float* k, int64_t n, int64_t row, int64_t D, float scale, float* scores) {
+#if defined(__AVX512F__)
+  if (n == 16 && D == 64) return score16<4>(q, k, row, scale, scores);
+  if (n == 16 && D == 128) return score16<8>(q, k, row, scale, scores);
+#endif
+  for (int64_t t = 0; t < n; ++t) scores[t] = pagoda::dot(q, k + t * row, D) * scale;
+}
+
+// o[g] += sum_t p[g][t] * v_t for the G query heads of one KV head over n V rows `row` floats apart.
+inline void accumulate_rows(const float* const* p, int64_t G, const float* v, int64_t n, int64_t row, int64_t D,
+                            float* const* o) {
+#if defined(__AVX512F__)
+  if (D == 64) return accumulate_heads<4, 4>(p, G, v, n, row, o);
+  if (D == 128) return accumulate_heads<8, 2>(p, G, v, n, row, o);
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    float* og = o[g];
+    for (int64_t t = 0; t < n; ++t) {
+      const float* vt = v + t * row;
+      const float pt = p[g][t];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) og[d] += pt * vt[d];
+    }
+  }
+}
 
 struct DecodeArgs {
   const float* qp;
@@ -82,74 +145,76 @@ struct DecodeArgs {
   float* op;
   int64_t q_row, H, D, G, BS, num_blocks, max_blocks, row;
   float fscale;
-  bool fast;
 };
 
-// Attention of sequence b's query heads [h*G, (h+1)*G) over KV head h.
-void attend(const DecodeArgs& a, int64_t b, int64_t h, std::vector<float>& scores, std::vector<float>& inv_sum) {
-  const int64_t H = a.H, D = a.D, G = a.G, BS = a.BS, row = a.row, num_blocks = a.num_blocks;
-  const float *kp = a.kp, *vp = a.vp;
-  const float fscale = a.fscale;
-  const bool fast = a.fast;
+// Per work item: the scores of its query heads (one row of `stride` >= seq_len floats each) and pointer lists.
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<float> inv_sum;
+  std::vector<const float*> p;
+  std::vector<float*> o;
+};
+
+// Attention of sequence b's query heads [h0*G, h1*G) over KV heads [h0, h1).
+void attend(const DecodeArgs& a, int64_t b, int64_t h0, int64_t h1, Scratch& s) {
+  const int64_t D = a.D, G = a.G, BS = a.BS, row = a.row, heads = (h1 - h0) * G;
   const int64_t L = a.lens[b];
-  const float* qg = a.qp + b * a.q_row + h * G * D;
-  float* og = a.op + (b * H + h * G) * D;
-  std::fill(og, og + G * D, 0.0f);
+  const float* qg = a.qp + b * a.q_row + h0 * G * D;
+  float* og = a.op + (b * a.H + h0 * G) * D;
+  std::fill(og, og + heads * D, 0.0f);
   if (L <= 0) return;
   TORCH_CHECK((L + BS - 1) / BS <= a.max_blocks, "paged_decode_attention: seq_len exceeds the block table");
-  scores.resize(G * L);
+  const int64_t stride = (L + kChunk - 1) / kChunk * kChunk;
+  s.scores.resize(heads * stride);
+  s.inv_sum.resize(heads);
+  s.p.resize(G);
+  s.o.resize(G);
   const int32_t* table = a.tables + b * a.max_blocks;
-  // Pass 1: scores[g][l] = scale * q_g . k_l, every K row read once for the whole query group.
-  for (int64_t l0 = 0; l0 < L; l0 += BS) {
-    const int64_t block = table[l0 / BS];
-    TORCH_CHECK(block >= 0 && block < num_blocks, "paged_decode_attention: block id out of range");
-    const float* kb = kp + block * BS * row + h * D;
-    const int64_t n = std::min(BS, L - l0);
-    for (int64_t g = 0; g < G; ++g) {
-      float* sg = scores.data() + g * L + l0;
-      int64_t t = 0;
-      if (fast) {
-        for (; t + 8 <= n; t += 8) dot8(qg + g * D, kb + t * row, row, D, fscale, sg + t);
-      }
-      for (; t < n; ++t) sg[t] = pagoda::dot(qg + g * D, kb + t * row, D) * fscale;
+  const bool whole_rows = (h1 - h0) * D == row;
+  // The walk: chunks of up to kChunk rows that never cross a block; `base` + the chunk's first row.
+  auto walk = [&](const float* base, auto&& visit) {
+    for (int64_t l0 = 0; l0 < L;) {
+      const int64_t block = table[l0 / BS];
+      TORCH_CHECK(block >= 0 && block < a.num_blocks, "paged_decode_attention: block id out of range");
+      const int64_t n = std::min({kChunk, L - l0, BS - l0 % BS});
+      const float* rows = base + (block * BS + l0 % BS) * row + h0 * D;
+      if (whole_rows) touch_rows(rows, n, row, row);
+      visit(l0, n, rows);
+      l0 += n;
     }
-  }
+  };
+  // Pass 1: scores[j][l] = scale * q_j . k_l for every query head j of the item.
+  walk(a.kp, [&](int64_t l0, int64_t n, const float* rows) {
+    for (int64_t j = 0; j < heads; ++j)
+      score_rows(qg + j * D, rows + (j / G) * D, n, row, D, a.fscale, s.scores.data() + j * stride + l0);
+  });
   // Softmax per query head (vectorised exp through libmvec).
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * L;
+  for (int64_t j = 0; j < heads; ++j) {
+    float* sj = s.scores.data() + j * stride;
     float m = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : m)
-    for (int64_t l = 0; l < L; ++l) m = std::max(m, s[l]);
+    for (int64_t l = 0; l < L; ++l) m = std::max(m, sj[l]);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t l = 0; l < L; ++l) {
-      s[l] = expf(s[l] - m);
-      sum += s[l];
+      sj[l] = expf(sj[l] - m);
+      sum += sj[l];
     }
-    inv_sum[g] = 1.0f / sum;
+    s.inv_sum[j] = 1.0f / sum;
   }
-  // Pass 2: out_g = sum_l p[g][l] * v_l, every V row read once.
-  for (int64_t l0 = 0; l0 < L; l0 += BS) {
-    const float* vb = vp + static_cast<int64_t>(table[l0 / BS]) * BS * row + h * D;
-    const int64_t n = std::min(BS, L - l0);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* pg = scores.data() + g * L + l0;
-      float* o = og + g * D;
-      if (fast) {
-        axpy_rows(pg, vb, n, row, D, o);
-        continue;
+  // Pass 2: out_j = sum_l p[j][l] * v_l, each KV head's V rows shared by its G query heads.
+  walk(a.vp, [&](int64_t l0, int64_t n, const float* rows) {
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        s.p[g] = s.scores.data() + (h * G + g) * stride + l0;
+        s.o[g] = og + (h * G + g) * D;
       }
-      for (int64_t t = 0; t < n; ++t) {
-        const float* v = vb + t * row;
-        const float p = pg[t];
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += p * v[d];
-      }
+      accumulate_rows(s.p.data(), G, rows + h * D, n, row, D, s.o.data());
     }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    float* o = og + g * D;
-    const float inv = inv_sum[g];
+  });
+  for (int64_t j = 0; j < heads; ++j) {
+    float* o = og + j * D;
+    const float inv = s.inv_sum[j];
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
   }
@@ -189,23 +254,23 @@ void paged_decode_attention(
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  const bool fast = kHaveAvx2 && D % 32 == 0;
 
-  // NOTE: sequences are dealt out round-robin, not in static halves: decode rows arrive sorted longest-first, so
-  // halves would give one core most of the context (measured: 64 rows of 100-700 tokens, 4.2 -> 3.6 ms). A unit is
-  // a whole sequence (its KV heads in turn) unless there are too few sequences to keep every core busy.
-  const DecodeArgs args{qp, kp, vp, tables, lens, op, q.stride(0), H, D, G, BS, num_blocks, max_blocks, row, fscale, fast};
+  // NOTE: a unit is a whole sequence (all its KV heads, so each K/V row is read as one contiguous run) unless there
+  // are too few sequences to keep every core busy; then a unit is one KV head. Units are dealt out round-robin, not
+  // in static halves: decode rows arrive sorted longest-first, so halves would give one core most of the context
+  // (measured: 64 rows of 100-700 tokens, 4.2 -> 3.6 ms). Either way each head's arithmetic is the same, so the
+  // output does not depend on the thread count.
+  const DecodeArgs args{qp, kp, vp, tables, lens, op, q.stride(0), H, D, G, BS, num_blocks, max_blocks, row, fscale};
   const int64_t nthreads = at::get_num_threads();
   const int64_t heads_per_unit = B >= 2 * nthreads ? HKV : 1;
   const int64_t num_units = B * HKV / heads_per_unit;
   const int64_t workers = std::min(nthreads, num_units);
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores, inv_sum(G);
+    Scratch scratch;
     for (int64_t w = w0; w < w1; ++w) {
       for (int64_t unit = w; unit < num_units; unit += workers) {
-        for (int64_t item = unit * heads_per_unit; item < (unit + 1) * heads_per_unit; ++item) {
-          attend(args, item / HKV, item % HKV, scores, inv_sum);
-        }
+        const int64_t item = unit * heads_per_unit;
+        attend(args, item / HKV, item % HKV, item % HKV + heads_per_unit, scratch);
       }
     }
   });

@@ -79,6 +79,23 @@ def make_paged_cache(
     return kv_cache, tables.to(DEVICE)
 
 
+def make_cpu_paged_cache(
+    seq_lens: list[int], block_size: int, kv_heads: int, head_dim: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the native CPU kernels, drawn from `gen`: a random float32 CPU cache and block tables whose blocks are
+    shuffled over the whole cache; entries past a sequence's last block are -1 (reading one fails the kernel's range
+    check)."""
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.full((len(seq_lens), max(per_seq, default=0) + 1), -1, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = perm[used : used + n].int()
+        used += n
+    return torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen), tables
+
+
 def boundary_lengths(block_size: int) -> list[int]:
     """Context lengths around block boundaries: 1, a full block, one past it, two blocks and a bit."""
     return [1, block_size, block_size + 1, 2 * block_size + 3]

@@ -13,24 +13,9 @@ from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.cpu_backend import CpuAttentionBackend
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_decode_attention, ref_prefill_attention
+from tests.kernels.conftest import make_cpu_paged_cache
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ toolchain for the native CPU kernels")
-
-
-def _paged(
-    seq_lens: list[int], block_size: int, kv_heads: int, head_dim: int, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A random cache and block tables whose blocks are shuffled over the whole cache; entries past a sequence's
-    last block are -1 (reading one fails the kernel's range check)."""
-    per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(per_seq) + 3
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.full((len(seq_lens), max(per_seq, default=0) + 1), -1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(per_seq):
-        tables[i, :n] = perm[used : used + n].int()
-        used += n
-    return torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen), tables
 
 
 def _run(
@@ -44,7 +29,7 @@ def _run(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [ctx + qlen for ctx, qlen in chunks]
-    cache, tables = _paged(seq_lens, block_size, kv_heads, head_dim, gen)
+    cache, tables = make_cpu_paged_cache(seq_lens, block_size, kv_heads, head_dim, gen)
     qlens = [qlen for _, qlen in chunks]
     starts = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
     heads = kv_heads * group
@@ -128,7 +113,7 @@ def test_backend_forward_mixes_decode_rows_and_prefill_chunks() -> None:
     heads, kv_heads, d, bs = 6, 2, 64, 16
     decode_lens, chunks = [9, 40], [(0, 21), (33, 5)]  # (context, chunk length)
     seq_lens = decode_lens + [c + q for c, q in chunks]
-    cache, tables = _paged(seq_lens, bs, kv_heads, d, gen)
+    cache, tables = make_cpu_paged_cache(seq_lens, bs, kv_heads, d, gen)
     nd, qlens = len(decode_lens), [q for _, q in chunks]
     # Slots of the step's new tokens: each decode row's last position, each chunk's last qlen positions.
     positions = [(i, n - 1) for i, n in enumerate(decode_lens)]
