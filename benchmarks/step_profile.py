@@ -1,12 +1,13 @@
 """Where a GPU step's time goes, per kind of step: host time to queue the forward vs the GPU's time for it.
 
 Runs `LLM.generate` over gpu_check's scaled workload (random SmolLM2-shaped weights, bf16) and times every step:
-- `execute` wall time and the forward's host time (queueing its kernels; from the runner's `StepTimings`);
+- the forward's host time (queueing its kernels, or copying inputs and replaying a graph);
 - the forward's span on the GPU (CUDA events around the step function; when the host is the bottleneck this span
   is about as long as the host time, since the GPU waits for each launch).
-Then one recorded mixed step (decodes + prefill chunks) is replayed alone: eager (host time to queue, and wall time
-with a sync) and captured whole as one CUDA graph (its replay time is the GPU's floor for that step), and the host
-cost of single launches (a Triton kernel, a torch GEMM, a graph replay) is timed.
+Then one recorded mixed step (decodes + prefill chunks) is run alone: eager (host time to queue, and wall time with
+a sync), through the runner's mixed-step graphs (engine_core/mixed_graphs.py), and captured whole as one CUDA graph
+of exactly its shape (its replay time is the GPU's floor for that step); and the host cost of single launches (a
+Triton kernel, a torch GEMM, a graph replay) is timed.
 
     python benchmarks/step_profile.py --out DIR [--requests 1024] [--no-mixed-graphs]
 
@@ -58,9 +59,11 @@ class StepRecorder:
     def close(self) -> None:
         self._mr.pick_step_function = self._pick  # type: ignore[assignment]
 
-    def _wrapped_pick(self, forward: object, decode_step: object, meta: AttentionMetadata) -> object:
-        step = self._pick(forward, decode_step, meta)  # type: ignore[arg-type]
-        graph = step is not forward
+    def _wrapped_pick(
+        self, forward: object, decode_step: object, meta: AttentionMetadata, mixed_step: object = None
+    ) -> object:
+        step = self._pick(forward, decode_step, meta, mixed_step)  # type: ignore[arg-type]
+        kind = "eager" if step is forward else "decode_graph" if step is decode_step else "mixed_graph"
         rows = self.rows
 
         def timed(ids: torch.Tensor, pos: torch.Tensor, kv: list[torch.Tensor], m: AttentionMetadata) -> torch.Tensor:
@@ -72,7 +75,7 @@ class StepRecorder:
             e1.record()
             rows.append(
                 {
-                    "graph": graph,
+                    "kind": kind,
                     "tokens": m.num_tokens,
                     "decodes": m.num_decodes,
                     "prefills": m.num_prefills,
@@ -80,7 +83,7 @@ class StepRecorder:
                     "events": (e0, e1),
                 }
             )
-            if not graph and m.num_decodes >= 64 and m.num_tokens >= 1024 and self.sample is None:
+            if m.num_prefills and m.num_decodes >= 64 and m.num_tokens >= 1024 and self.sample is None:
                 self.sample = (ids.clone(), pos.clone(), _clone_meta(m))
             return out
 
@@ -92,8 +95,8 @@ class StepRecorder:
             e0, e1 = r.pop("events")  # type: ignore[misc]
             r["gpu_span_ms"] = e0.elapsed_time(e1)
         out: dict[str, object] = {}
-        for kind, sel in (("decode_graph", True), ("eager", False)):
-            rs = [r for r in self.rows if r["graph"] is sel]
+        for kind in ("decode_graph", "mixed_graph", "eager"):
+            rs = [r for r in self.rows if r["kind"] == kind]
             if not rs:
                 continue
             out[kind] = {
@@ -180,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--engine-args", default="{}", help="JSON of extra LLM(...) arguments")
+    ap.add_argument("--no-mixed-graphs", action="store_true", help="steps with prefill chunks run eagerly")
     args = ap.parse_args(argv)
     import gpu_check
     from offline_throughput import make_workload
@@ -197,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         **json.loads(args.engine_args),
     )
     runner = llm.engine.runner
+    if args.no_mixed_graphs:
+        runner.mixed_step = None  # the before of a before/after (see offline_throughput.run_pagoda)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)
@@ -223,11 +229,15 @@ def main(argv: list[str] | None = None) -> int:
                 "eager": _time_eager(runner.model, fwd_args, 20),
                 "whole_graph": _time_graph(runner.model, fwd_args, 20),
             }
+            if runner.mixed_step is not None:
+                one["mixed_graph_step"] = _time_eager(runner.mixed_step, fwd_args, 20)
         result["one_mixed_step"] = one
     result["launch_host_us"] = _launch_costs()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "step_profile.json").write_text(json.dumps(result, indent=2))
+    (out / f"step_profile{'_eager_mixed' if args.no_mixed_graphs else ''}.json").write_text(
+        json.dumps(result, indent=2)
+    )
     print(json.dumps(result, indent=2))
     return 0
 
