@@ -2,8 +2,10 @@
 
 NOTE: its own module so that the worker's import path (model_runner -> model_loader) reads config.json without
 importing `model_files`, whose `AutoTokenizer` import pulls in transformers' tokenizer stack. On the GPU image
-(torch 2.11+cu130, transformers 5.17) that import chain also imported Triton into the CPU engine, which
-tests/kernels/test_triton_mode.py::test_cpu_kernels_and_the_cpu_engine_import_no_triton forbids (session 6).
+(torch 2.11+cu130, transformers 5.17, triton installed) that chain reached `transformers.generation.utils` ->
+`masking_utils` -> `torch._dynamo`, whose utils import triton: Triton in the CPU engine, which
+tests/kernels/test_triton_mode.py::test_cpu_kernels_and_the_cpu_engine_import_no_triton forbids (seen in session 6;
+the CPU machine's transformers 5.23 and CPU torch do not take that path, so only the GPU run shows it).
 """
 
 from __future__ import annotations
