@@ -392,6 +392,10 @@ def section_throughput(c: Check) -> dict[str, object]:
     wl = c.workload(3 if c.dry_run else 64, 0)
     pagoda, _ = bench.run_pagoda(wl, args)
     _free_gpu_memory()
+    # NOTE: before/after of the mixed-step CUDA graphs (engine_core/mixed_graphs.py) in the same run: steps with
+    # prefill chunks launched eagerly, decode-only steps still graphs (what sessions 5 and before measured).
+    eager_mixed, _ = bench.run_pagoda(wl, argparse.Namespace(**(vars(args) | {"mixed_graphs": False})))
+    _free_gpu_memory()
     hf = bench.run_hf(wl, args, str(c.model_dir()))
     _free_gpu_memory()
     prompt = bench.batch1_prompt(args.batch1_prompt)
@@ -401,6 +405,7 @@ def section_throughput(c: Check) -> dict[str, object]:
         "requests": len(wl.prompts),
         "total_tokens": wl.total_tokens,
         "pagoda": vars(pagoda),
+        "pagoda_eager_mixed_steps": vars(eager_mixed),
         "transformers": vars(hf),
         "transformers_forward_loop_batch1_ms_per_token": loop_ms,
         "ratio_total_tok_s": pagoda.total_tok_s / hf.total_tok_s,
@@ -411,14 +416,18 @@ def section_throughput(c: Check) -> dict[str, object]:
         big = c.workload(c.scale_requests, 1)
         for tokens in c.scale_batched_tokens:
             scaled_args = argparse.Namespace(**(vars(args) | {"max_num_seqs": 256, "max_num_batched_tokens": tokens}))
-            scaled, _ = bench.run_pagoda(big, scaled_args)
-            _free_gpu_memory()
-            result[f"pagoda_scaled_{tokens}"] = {
-                "requests": c.scale_requests,
-                "max_num_seqs": 256,
-                "max_num_batched_tokens": tokens,
-                **vars(scaled),
-            }
+            for name, mixed in (
+                (f"pagoda_scaled_{tokens}", True),
+                (f"pagoda_scaled_{tokens}_eager_mixed_steps", False),
+            ):
+                scaled, _ = bench.run_pagoda(big, argparse.Namespace(**(vars(scaled_args) | {"mixed_graphs": mixed})))
+                _free_gpu_memory()
+                result[name] = {
+                    "requests": c.scale_requests,
+                    "max_num_seqs": 256,
+                    "max_num_batched_tokens": tokens,
+                    **vars(scaled),
+                }
     return result
 
 

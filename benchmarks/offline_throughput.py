@@ -44,6 +44,10 @@ def run_pagoda(wl: Workload, args: argparse.Namespace) -> tuple[Result, list[lis
         device=args.device,
         dtype=args.dtype,
     )
+    if not getattr(args, "mixed_graphs", True):
+        # NOTE: the A/B switch of gpu_check's before/after: steps with prefill chunks run eagerly, as before
+        # engine_core/mixed_graphs.py (decode-only steps still replay their graphs).
+        llm.engine.runner.mixed_step = None
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
     llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up (allocator, first-call overheads)

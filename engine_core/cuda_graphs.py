@@ -47,6 +47,25 @@ def bucket_for(n: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
+def capture_graph(run: Callable[[], torch.Tensor], pool: object = None) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`run` captured as a CUDA graph (in memory pool `pool`, if given); returns the graph and `run`'s output tensor,
+    which every replay rewrites in place.
+
+    NOTE: warm-up on a side stream compiles the Triton kernels and settles the allocator, as torch.cuda graphs
+    require: nothing may compile or synchronize during capture.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
+
+
 Forward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata], torch.Tensor]
 
 
@@ -130,17 +149,7 @@ class CudaGraphDecodeStep:
         for size in sorted(self.sizes, reverse=True):
             meta = self.static_metadata(size)
             ids, pos = self.input_ids[:size], self.positions[:size]
-            # NOTE: warm-up on a side stream compiles the Triton kernels and settles the allocator, as torch.cuda
-            # graphs require: nothing may compile or synchronize during capture.
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(ids, pos, kv_caches, meta)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[size] = self._forward(ids, pos, kv_caches, meta)
+            graph, self._outputs[size] = capture_graph(lambda: self._forward(ids, pos, kv_caches, meta), pool)  # noqa: B023
             pool = graph.pool()
             self._graphs[size] = graph
         torch.cuda.synchronize()

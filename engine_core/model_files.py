@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 
 import structlog
-from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine_core.model_config import read_config_file
 
 log = structlog.get_logger(__name__)
 
@@ -100,22 +102,6 @@ def resolve_model_dir(model: str | None, cache_dir: str) -> str:
         f"model {model!r} is neither a .gguf file nor a directory with config.json "
         "(weights are never downloaded from a hub)"
     )
-
-
-def read_config_json(model_dir: str) -> dict[str, object]:
-    return json.loads((Path(model_dir) / "config.json").read_text())
-
-
-def read_config_file(model_dir: str, raw: dict[str, object] | None = None) -> PretrainedConfig:
-    """config.json as written, in transformers' base config class (no model-specific defaults filled in).
-
-    NOTE: `AutoConfig` imports the model's own config class, and in transformers 5 that import pulls in
-    `torch._dynamo` and the hub-kernel integrations: 2.3 s of CPU in the worker and 3.3 s in the frontend on this
-    machine, both on `pagoda serve`'s start-up path. The base class needs none of that. `raw`: the file, if read.
-    """
-    config = PretrainedConfig.from_dict(read_config_json(model_dir) if raw is None else raw)
-    config._name_or_path = model_dir  # what AutoConfig records; AutoTokenizer matches it against known hub ids
-    return config
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:

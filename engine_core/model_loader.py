@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from engine_core.model_files import read_config_file, read_config_json
+from engine_core.model_config import read_config_file, read_config_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

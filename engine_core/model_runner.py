@@ -22,6 +22,7 @@ from engine_core.cuda_graphs import CudaGraphDecodeStep, capture_sizes
 from engine_core.device_inputs import DeviceInputs, step_input_specs
 from engine_core.host_memory import zeroed_host_tensor
 from engine_core.input_batch import InputBatch, StepInputs
+from engine_core.mixed_graphs import CudaGraphMixedStep, token_buckets
 from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
 from engine_core.models.cpu_linear import can_pack
 from engine_core.models.llama import model_class
@@ -101,6 +102,7 @@ class ModelRunner:
         # The step functions (step_functions.py): the model's forward serves every step; `decode_step`, where set,
         # serves decode-only steps. NOTE: this is the seam where a CUDA-graph replay of decode steps plugs in.
         self.decode_step: StepFunction | None = None
+        self.mixed_step: StepFunction | None = None  # steps with prefill chunks (CUDA graphs: mixed_graphs.py)
         if can_pack(self.device, self.dtype):
             self.model.use_cpu_gemms()
             if cpu_kernels.available():
@@ -129,7 +131,8 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
         self.reset()
         # CUDA: a step's inputs travel through pinned buffers into persistent device tensors (device_inputs.py), and
-        # decode-only steps replay CUDA graphs (cuda_graphs.py; captured in init_kv_cache) unless enforce_eager.
+        # decode-only steps (cuda_graphs.py) and steps with prefill chunks (mixed_graphs.py) replay CUDA graphs,
+        # captured in init_kv_cache, unless enforce_eager.
         self._staging: DeviceInputs | None = None
         if self.device.type == "cuda":
             max_rows = config.max_num_seqs
@@ -137,6 +140,7 @@ class ModelRunner:
             self._staging = DeviceInputs(self.device, step_input_specs(max_tokens, max_rows, self.max_blocks_per_seq))
             if backend.name == "triton" and not config.enforce_eager:
                 self.decode_step = self._cuda_graph_step(hf.num_key_value_heads)
+                self.mixed_step = self._mixed_graph_step(hf.num_key_value_heads, max_tokens)
 
     def reset(self) -> None:
         """Forgets every sequence (a new scheduler, i.e. cache epoch, restarts seq ids): a fresh persistent batch and
@@ -159,6 +163,22 @@ class ModelRunner:
             self.max_blocks_per_seq,
             max_len,
             lambda size: triton_kernels.choose_num_splits(size, num_kv_heads, max_len, sms),
+            self.device,
+        )
+
+    def _mixed_graph_step(self, num_kv_heads: int, max_tokens: int) -> CudaGraphMixedStep:
+        triton_kernels = importlib.import_module("kernels.triton")
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        max_len = self.max_model_len
+        return CudaGraphMixedStep(
+            self.model,
+            token_buckets(max_tokens),
+            self.config.max_num_seqs,
+            self.max_blocks_per_seq,
+            max_len,
+            lambda rows: triton_kernels.choose_num_splits(rows, num_kv_heads, max_len, sms),
+            triton_kernels.prefill_tile_map,
+            triton_kernels.prefill_num_tiles,
             self.device,
         )
 
@@ -199,6 +219,15 @@ class ModelRunner:
             with torch.inference_mode():
                 self.decode_step.capture(self.kv_caches)
             log.info("CUDA graphs captured", sizes=self.decode_step.sizes, seconds=round(time.perf_counter() - t0, 2))
+        if isinstance(self.mixed_step, CudaGraphMixedStep):
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                self.mixed_step.capture(self.kv_caches)
+            log.info(
+                "CUDA graphs captured (mixed steps)",
+                token_sizes=self.mixed_step.sizes,
+                seconds=round(time.perf_counter() - t0, 2),
+            )
 
     # ---- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -232,7 +261,7 @@ class ModelRunner:
         sampling_meta = self.sampling.metadata(sample_seq_ids) if len(sample_idx) else None
         self.backend.prepare(meta)
         timings.forward_start = time.perf_counter()
-        step = pick_step_function(self.model, self.decode_step, meta)
+        step = pick_step_function(self.model, self.decode_step, meta, self.mixed_step)
         hidden = step(input_ids, positions, self.kv_caches, meta)
         timings.sample_start = time.perf_counter()
         out = ModelRunnerOutput()

@@ -3,8 +3,10 @@
 Every step function takes `(input_ids, positions, kv_caches, meta)` and returns the final hidden states
 `[num_tokens, hidden]`, exactly what the model's own forward (the layer loop) returns. The runner holds:
 - `forward`: the model itself (the layer loop), which serves every step;
-- `decode_step`: an optional faster function for decode-only steps (today `models.native_decode.NativeDecodeStep`
-  on CPU; a CUDA-graph replay plugs in at the same place).
+- `decode_step`: an optional faster function for decode-only steps (`models.native_decode.NativeDecodeStep` on CPU,
+  `cuda_graphs.CudaGraphDecodeStep` on CUDA);
+- `mixed_step`: an optional faster function for steps that carry prefill chunks (`mixed_graphs.CudaGraphMixedStep`
+  on CUDA).
 """
 
 from __future__ import annotations
@@ -32,9 +34,15 @@ def is_decode_only(meta: AttentionMetadata) -> bool:
 
 
 def pick_step_function(
-    forward: StepFunction, decode_step: StepFunction | None, meta: AttentionMetadata
+    forward: StepFunction,
+    decode_step: StepFunction | None,
+    meta: AttentionMetadata,
+    mixed_step: StepFunction | None = None,
 ) -> StepFunction:
-    """The decode step where it applies, otherwise the layer loop."""
-    if decode_step is not None and is_decode_only(meta):
-        return decode_step
+    """The decode step for decode-only steps, the mixed step for steps with a prefill chunk (each where set),
+    otherwise the layer loop."""
+    if is_decode_only(meta):
+        return decode_step if decode_step is not None else forward
+    if mixed_step is not None and meta.num_prefills > 0:
+        return mixed_step
     return forward

@@ -38,6 +38,11 @@ class AttentionMetadata:
     # Split-K count of the Triton decode kernel; None = chosen per step from max_decode_seq_len. A CUDA graph fixes it
     # at capture (engine_core/cuda_graphs.py).
     decode_num_splits: int | None = None
+    # The fixed-grid layout of a mixed step's CUDA graph (engine_core/mixed_graphs.py); None = the layout above.
+    # When set: `prefill_query_start_loc` is absolute (it counts the decode rows), chunks past the real ones are
+    # empty, decode rows past the real ones have seq_len 0, rows past the last chunk are padding, and the Triton
+    # prefill kernel takes its grid from this `[num_tiles, 2]` (chunk, query block) map.
+    prefill_tile_map: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -33,6 +33,8 @@ class TritonAttentionBackend(AttentionBackend):
         # First the writes: decode rows and prefill chunks then read their own new K/V back from the cache.
         store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
+        if meta.prefill_tile_map is not None:
+            return self._fixed_grid_forward(q, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes > 0:
@@ -63,4 +65,42 @@ class TritonAttentionBackend(AttentionBackend):
             )
         if end < out.shape[0]:
             out[end:].zero_()  # padding rows past the last chunk belong to no sequence
+        return out
+
+    def _fixed_grid_forward(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Every launch's grid fixed by the metadata's shapes, not by the step's mix (a mixed step's CUDA graph):
+        decode over all `num_decodes` rows (rows past the real decodes have seq_len 0 and write zeros), then prefill
+        over all of q through the tile map (absolute query starts), which overwrites the chunk rows among them.
+
+        NOTE: zeros, not empty: padding rows past the last chunk are written by neither kernel.
+        """
+        assert meta.prefill_tile_map is not None
+        out = torch.zeros_like(q)
+        nd = meta.num_decodes
+        if nd > 0:
+            decode_attention(
+                q[:nd],
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_seq_lens,
+                self.scale,
+                meta.max_decode_seq_len,
+                out=out[:nd],
+                num_splits=meta.decode_num_splits,
+            )
+        prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.prefill_block_tables,
+            meta.prefill_seq_lens,
+            meta.prefill_query_start_loc,
+            self.scale,
+            meta.max_prefill_query_len,
+            out=out,
+            tile_map=meta.prefill_tile_map,
+        )
         return out

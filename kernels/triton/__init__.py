@@ -13,7 +13,7 @@ configure_triton_interpret()
 
 from kernels.triton.decode_attention import choose_num_splits, decode_attention, plan_decode
 from kernels.triton.fused import fused_add_rms_norm, rms_norm, rotary_embedding_neox, silu_and_mul
-from kernels.triton.prefill_attention import prefill_attention
+from kernels.triton.prefill_attention import prefill_attention, prefill_num_tiles, prefill_tile_map
 from kernels.triton.store_kv import store_kv
 
 __all__ = [
@@ -22,6 +22,8 @@ __all__ = [
     "fused_add_rms_norm",
     "plan_decode",
     "prefill_attention",
+    "prefill_num_tiles",
+    "prefill_tile_map",
     "rms_norm",
     "rotary_embedding_neox",
     "silu_and_mul",

@@ -29,6 +29,9 @@ from kernels.triton.common import (
     use_fp32_dot,
 )
 
+# Query rows per program: the default tile, and what `prefill_tile_map` must be built with.
+PREFILL_BLOCK_M = 64
+
 
 # NOTE: the block-table width grows with the longest context of the step: no specialization on it (no recompiles).
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -39,6 +42,7 @@ def _prefill_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    tile_map_ptr,
     out_ptr,
     scale_log2,
     stride_qt,
@@ -59,10 +63,17 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    USE_TILE_MAP: tl.constexpr,
 ):
     head = tl.program_id(0)
-    m_block = tl.program_id(1)
-    chunk = tl.program_id(2).to(tl.int64)
+    if USE_TILE_MAP:  # fixed grid (a CUDA graph): this program's (chunk, query block) is looked up; -1 = no work
+        chunk = tl.load(tile_map_ptr + tl.program_id(1) * 2).to(tl.int64)
+        m_block = tl.load(tile_map_ptr + tl.program_id(1) * 2 + 1)
+        if chunk < 0:
+            return
+    else:
+        m_block = tl.program_id(1)
+        chunk = tl.program_id(2).to(tl.int64)
     q_start = tl.load(query_start_loc_ptr + chunk)
     q_len = tl.load(query_start_loc_ptr + chunk + 1) - q_start
     if m_block * BLOCK_M >= q_len:  # the grid is sized for the longest chunk
@@ -127,8 +138,14 @@ def prefill_attention(
     block_m: int | None = None,  # queries per program (power of two >= 16); None = 64
     block_n: int | None = None,  # keys per tile (power of two >= 16); None = 64
     num_warps: int | None = None,  # None = triton's default (4)
+    tile_map: torch.Tensor | None = None,  # [num_tiles, 2] int32 (chunk, query block), from `prefill_tile_map`
 ) -> torch.Tensor:
-    """Causal attention of every chunk's queries over their paged context. Returns `out`."""
+    """Causal attention of every chunk's queries over their paged context. Returns `out`.
+
+    With `tile_map` the grid is `(num_heads, num_tiles)` whatever the chunks' lengths (what a CUDA graph needs: its
+    grid is frozen at capture); each program reads its chunk and query block from the map, rows with chunk -1 do
+    nothing, and `max_query_len` is not used. The map must be built with the same `block_m`.
+    """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -140,7 +157,7 @@ def prefill_attention(
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1, (out.shape, out.stride())
-    if num_tokens == 0 or num_chunks == 0 or max_query_len == 0:
+    if num_tokens == 0 or num_chunks == 0 or (max_query_len == 0 and tile_map is None):
         return out
     q, k_cache, v_cache = last_dim_contiguous(q), last_dim_contiguous(k_cache), last_dim_contiguous(v_cache)
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
@@ -148,9 +165,13 @@ def prefill_attention(
     # NOTE: one program per *query* head: the GQA group re-reads the same K/V tile, but from L2 (programs of a group
     # are adjacent: heads are grid axis 0, the fastest-varying). Prefill is compute bound, so folding the group into
     # the M dimension would buy little here.
-    block_m = check_block_size("block_m", block_m or 64)
+    block_m = check_block_size("block_m", block_m or PREFILL_BLOCK_M)
     block_n = check_block_size("block_n", block_n or 64)
-    grid = (num_heads, triton.cdiv(max_query_len, block_m), num_chunks)
+    if tile_map is None:
+        grid: tuple[int, ...] = (num_heads, triton.cdiv(max_query_len, block_m), num_chunks)
+    else:
+        assert tile_map.dtype == torch.int32 and tile_map.shape[1:] == (2,) and tile_map.is_contiguous(), tile_map.shape
+        grid = (num_heads, tile_map.shape[0])
     _prefill_kernel[grid](
         q,
         k_cache,
@@ -158,6 +179,7 @@ def prefill_attention(
         block_tables,
         seq_lens,
         query_start_loc,
+        query_start_loc if tile_map is None else tile_map,  # unread without the map
         out,
         scale * LOG2E,
         q.stride(0),
@@ -173,6 +195,29 @@ def prefill_attention(
         BLOCK_N=block_n,
         BLOCK_D=pow2_at_least(head_dim, 16),
         DOT_FP32=use_fp32_dot(q),
+        USE_TILE_MAP=tile_map is not None,
         **({"num_warps": num_warps} if num_warps else {}),
     )
     return out
+
+
+def prefill_num_tiles(max_tokens: int, max_chunks: int, block_m: int = PREFILL_BLOCK_M) -> int:
+    """Query blocks of at most `max_tokens` query rows split into at most `max_chunks` chunks: each chunk's last block
+    may be partial, so at most `cdiv(max_tokens, block_m) + max_chunks - 1` (the tile map's length for a graph)."""
+    return triton.cdiv(max_tokens, block_m) + max(max_chunks - 1, 0)
+
+
+def prefill_tile_map(query_start_loc: torch.Tensor, num_tiles: int, block_m: int = PREFILL_BLOCK_M) -> torch.Tensor:
+    """The `[num_tiles, 2]` int32 (chunk, query block) map of `prefill_attention(..., tile_map=)`: chunk i's
+    `cdiv(q_len_i, block_m)` blocks in order, then rows of chunk -1. Device-side torch ops only (no host sync), so a
+    CUDA graph recomputes it from the step's query starts on every replay. Tiles past `num_tiles` are dropped: size
+    it with `prefill_num_tiles`."""
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tiles = torch.div(q_lens + (block_m - 1), block_m, rounding_mode="floor")
+    ends = torch.cumsum(tiles, 0)
+    t = torch.arange(num_tiles, device=query_start_loc.device, dtype=ends.dtype)
+    chunk = torch.searchsorted(ends, t, right=True)  # the first chunk whose tiles end past t
+    valid = chunk < q_lens.shape[0]
+    chunk = chunk.clamp(max=max(q_lens.shape[0] - 1, 0))
+    m_block = t - (ends[chunk] - tiles[chunk]) if q_lens.shape[0] else t
+    return torch.stack((torch.where(valid, chunk, -1), torch.where(valid, m_block, 0)), 1).to(torch.int32)

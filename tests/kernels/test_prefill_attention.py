@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels.reference import ref_prefill_attention
-from kernels.triton import prefill_attention
+from kernels.triton import prefill_attention, prefill_num_tiles, prefill_tile_map
 from tests.kernels.conftest import CASE_DTYPES, DEVICE, DTYPE_IDS, DTYPES, assert_close, make_paged_cache
 
 # (block_size, head_dim, gqa group, dtype): the full product, one KV head. BLOCK_M/BLOCK_N vary alongside.
@@ -79,3 +79,33 @@ def test_prefill_empty_chunk_and_strided_output() -> None:
     expected = ref_prefill_attention(q, kv_cache[0], kv_cache[1], tables, lens, starts, 0.2)
     assert_close("prefill_attention", out_buf[1:22], expected, torch.float32)
     assert not out_buf[0].any() and not out_buf[22].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_tile_map_grid_equals_the_plain_grid(dtype: torch.dtype) -> None:
+    """The fixed grid of a CUDA graph (`tile_map`, absolute query starts after 3 rows that no chunk owns, empty
+    chunks past the real ones, spare tiles of chunk -1) computes what the plain grid computes, bit for bit, and
+    leaves rows outside the chunks alone."""
+    chunks = [(0, 70), (20, 3), (45, 33)]
+    seq_lens = [ctx + qlen for ctx, qlen in chunks]
+    kv_cache, tables = make_paged_cache(seq_lens, 16, 2, 64, dtype)
+    starts = torch.tensor([0, 70, 73, 106], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(106, 6, 64, dtype=dtype, device=DEVICE)
+    plain = prefill_attention(q, kv_cache[0], kv_cache[1], tables, lens, starts, 0.125, 70)
+    # Two more (empty) chunks, and every query row shifted past 3 foreign rows.
+    pad_tables = torch.cat([tables, torch.zeros(2, tables.shape[1], dtype=torch.int32, device=DEVICE)])
+    pad_lens = torch.cat([lens, torch.tensor([99, 99], dtype=torch.int32, device=DEVICE)])
+    abs_starts = torch.cat([starts, starts[-1:], starts[-1:]]) + 3
+    num_tiles = prefill_num_tiles(128, 5)
+    tile_map = prefill_tile_map(abs_starts, num_tiles)
+    assert tile_map[:, 0].tolist()[:4] == [0, 0, 1, 2] and (tile_map[4:, 0] == -1).all()
+    q_all = torch.cat(
+        [torch.randn(3, 6, 64, dtype=dtype, device=DEVICE), q, torch.randn(7, 6, 64, device=DEVICE).to(dtype)]
+    )
+    out = torch.full_like(q_all, 7.0)
+    prefill_attention(
+        q_all, kv_cache[0], kv_cache[1], pad_tables, pad_lens, abs_starts, 0.125, 0, out=out, tile_map=tile_map
+    )
+    assert torch.equal(out[3:109], plain)
+    assert (out[:3] == 7).all() and (out[109:] == 7).all()
