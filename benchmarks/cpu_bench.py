@@ -4,9 +4,10 @@
   49152x576 LM head at 1..2048 rows, through MKL `F.linear`, oneDNN with the weight packed once
   (`mkldnn._linear_pointwise`) and the native
   panel kernel (`panel_linear`, weight packed once into 16-column panels, meant for decode-sized row counts).
-- `attention`: one layer of decode attention (9 query / 3 KV heads, head dim 64, block size 16, shuffled block
-  tables, context lengths uniform in [ctx/4, ctx] sorted longest-first as the engine hands them over): the torch
-  backend (gather into a workspace + SDPA, in length groups) against the native paged kernel.
+- `attention`: decode attention per layer (9 query / 3 KV heads, head dim 64, block size 16, context lengths
+  uniform in [ctx/4, ctx] sorted longest-first as the engine hands them over, one cache per layer so the K/V come
+  from DRAM; block tables in allocation order and shuffled): the torch backend (gather into a workspace + SDPA, in
+  length groups) against the native paged kernel.
 - `prefill`: one layer of prefill attention (same heads, shuffled block tables): gather + SDPA per chunk (the
   `torch` backend's `TorchPrefill`) against the native paged prefill kernel, in causal GFLOP/s (4 * D * H flops
   per visible (query, key) pair).
@@ -26,6 +27,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,6 +102,27 @@ def _shuffled_tables(g: torch.Generator, rows: int, width: int) -> torch.Tensor:
     return (torch.randperm(ATTN_POOL - 1, generator=g)[: rows * width] + 1).view(rows, width).int()
 
 
+def _each_layer(caches: list[torch.Tensor], op: Callable[[torch.Tensor], object]) -> None:
+    for cache in caches:
+        op(cache)
+
+
+def _torch_decode(ref: Any, q: torch.Tensor, meta: Any, out: torch.Tensor, cache: torch.Tensor) -> None:
+    ref._decode(q, cache, meta, ref._workspace.buffer(cache), out)
+
+
+def _native_decode(
+    op: Callable[..., object],
+    q: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    cache: torch.Tensor,
+) -> None:
+    op(q, cache, tables, lens, scale, out=out)
+
+
 def bench_attention() -> list[dict[str, object]]:
     from engine_core.attention.backend import AttentionMetadata
     from engine_core.attention.torch_backend import TorchAttentionBackend
@@ -108,44 +131,57 @@ def bench_attention() -> list[dict[str, object]]:
     heads, kv_heads, head_dim, bs = ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM, ATTN_BLOCK
     scale = head_dim**-0.5
     g = torch.Generator().manual_seed(0)
-    cache = torch.randn(2, ATTN_POOL, bs, kv_heads, head_dim, generator=g)
     rows_out: list[dict[str, object]] = []
-    print(f"{'batch':>5} {'ctx':>5} {'gather+sdpa ms':>15} {'native ms':>10} {'native GB/s':>12}")
-    for batch, ctx in ((1, 200), (8, 300), (32, 400), (64, 400), (64, 700)):
+    print(f"{'batch':>5} {'ctx':>5} {'tables':>10} {'gather+sdpa ms':>15} {'native ms':>10} {'native GB/s':>12}")
+    for batch, ctx in ((1, 200), (1, 4000), (8, 300), (32, 400), (64, 400), (64, 700)):
         lens = torch.randint(ctx // 4, ctx + 1, (batch,), generator=g).sort(descending=True).values.int()
         width = -(-ctx // bs)
-        tables = _shuffled_tables(g, batch, width)
+        pool = batch * width + 1
+        # NOTE: one cache per layer, as many layers as it takes to outgrow the L3 (up to 30, SmolLM2's count): in the
+        # engine every layer's K/V comes from DRAM, and one cache timed in a loop would sit in the cache hierarchy.
+        layers = max(4, min(30, (256 << 20) // (2 * pool * bs * kv_heads * head_dim * 4)))
+        caches = [torch.randn(2, pool, bs, kv_heads, head_dim, generator=g) for _ in range(layers)]
         q = torch.randn(batch, heads, head_dim, generator=g)
-        meta = AttentionMetadata(
-            num_decodes=batch,
-            num_prefills=0,
-            slot_mapping=torch.full((batch,), -1, dtype=torch.long),
-            decode_seq_lens=lens,
-            decode_block_tables=tables,
-            max_decode_seq_len=int(lens.max()),
-            prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
-            prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
-            prefill_block_tables=torch.zeros(0, width, dtype=torch.int32),
-            max_prefill_query_len=0,
-            prefill_query_lens_cpu=[],
-            prefill_seq_lens_cpu=[],
-        )
-        ref = TorchAttentionBackend(heads, kv_heads, head_dim, bs, scale)
-        ref.prepare(meta)
-        out = torch.empty_like(q)
-        with torch.inference_mode():
-            torch_ms = timed(partial(ref._decode, q, cache, meta, ref._workspace.buffer(cache), out))
-            native_ms = timed(partial(cpu_kernels.paged_decode_attention, q, cache, tables, lens, scale))
         kv_bytes = int(lens.sum()) * 2 * kv_heads * head_dim * 4
-        row = {
-            "batch": batch,
-            "ctx": ctx,
-            "torch_ms": torch_ms,
-            "native_ms": native_ms,
-            "native_gb_s": kv_bytes / native_ms / 1e6,
-        }
-        print(f"{batch:>5} {ctx:>5} {torch_ms:>15.3f} {native_ms:>10.3f} {row['native_gb_s']:>12.1f}", flush=True)
-        rows_out.append(row)
+        # Tables in allocation order (a sequence's blocks consecutive, as a fresh pool hands them out) and shuffled.
+        for order in ("allocation", "shuffled"):
+            blocks = torch.randperm(pool - 1, generator=g) if order == "shuffled" else torch.arange(pool - 1)
+            tables = (blocks[: batch * width] + 1).view(batch, width).int()
+            meta = AttentionMetadata(
+                num_decodes=batch,
+                num_prefills=0,
+                slot_mapping=torch.full((batch,), -1, dtype=torch.long),
+                decode_seq_lens=lens,
+                decode_block_tables=tables,
+                max_decode_seq_len=int(lens.max()),
+                prefill_query_start_loc=torch.zeros(1, dtype=torch.int32),
+                prefill_seq_lens=torch.zeros(0, dtype=torch.int32),
+                prefill_block_tables=torch.zeros(0, width, dtype=torch.int32),
+                max_prefill_query_len=0,
+                prefill_query_lens_cpu=[],
+                prefill_seq_lens_cpu=[],
+            )
+            ref = TorchAttentionBackend(heads, kv_heads, head_dim, bs, scale)
+            ref.prepare(meta)
+            out = torch.empty_like(q)
+
+            with torch.inference_mode():
+                torch_ms = timed(partial(_each_layer, caches, partial(_torch_decode, ref, q, meta, out))) / layers
+                native_op = partial(_native_decode, cpu_kernels.paged_decode_attention, q, tables, lens, scale, out)
+                native_ms = timed(partial(_each_layer, caches, native_op)) / layers
+            row = {
+                "batch": batch,
+                "ctx": ctx,
+                "tables": order,
+                "torch_ms": torch_ms,
+                "native_ms": native_ms,
+                "native_gb_s": kv_bytes / native_ms / 1e6,
+            }
+            print(
+                f"{batch:>5} {ctx:>5} {order:>10} {torch_ms:>15.3f} {native_ms:>10.3f} {row['native_gb_s']:>12.1f}",
+                flush=True,
+            )
+            rows_out.append(row)
     return rows_out
 
 
