@@ -32,8 +32,9 @@ constexpr int64_t kChunk = 16;  // K/V rows scored or accumulated per step of th
 // Loads every cache line of `n` rows (`floats` floats each, `row` floats apart) once, discarding the data.
 // NOTE: why: decode attention is bound by the K/V reads, and a dense run of independent loads keeps many more
 // misses in flight than the FMA chains of the scoring loop, whose loads wait behind their arithmetic. Measured
-// (64 sequences x ~440 tokens, SmolLM2 heads, 2 threads, blocks in allocation order): 2.98 -> 1.33 ms per layer;
-// software prefetch of the next chunk instead was slower, and a larger block size gained nothing in the engine.
+// (64 sequences x ~440 tokens, SmolLM2 heads, 2 threads, blocks in allocation order, K/V from DRAM): 3.50 -> 1.95
+// ms per layer. Software prefetch of the next chunk instead was slower; a larger block size gained nothing in the
+// engine.
 inline void touch_rows(const float* p, int64_t n, int64_t row, int64_t floats) {
   float sink = 0.0f;
   for (int64_t t = 0; t < n; ++t) {
