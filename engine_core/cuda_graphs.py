@@ -69,7 +69,71 @@ def capture_graph(run: Callable[[], torch.Tensor], pool: object = None) -> tuple
 Forward = Callable[[torch.Tensor, torch.Tensor, list[torch.Tensor], AttentionMetadata], torch.Tensor]
 
 
-class CudaGraphDecodeStep:
+class BucketedGraphs:
+    """One captured forward per bucket over static input buffers, replayed for steps that fit a bucket.
+
+    The shared half of the decode-only (`CudaGraphDecodeStep`) and mixed (`mixed_graphs.CudaGraphMixedStep`) step
+    functions. A subclass owns its layout: `fill` copies a step into the static buffers (returning its bucket, or
+    None to run `forward` eagerly), `static_metadata` describes a bucket over them, `pad_all` marks every row as
+    padding (no K/V written) for the warm-up and capture runs, and `used_rows` says how many output rows are real.
+    """
+
+    def __init__(self, forward: Forward, sizes: list[int], max_tokens: int, device: torch.device) -> None:
+        self.sizes = sizes
+        self._forward = forward
+        i64 = {"dtype": torch.int64, "device": device}
+        self.input_ids = torch.zeros(max_tokens, **i64)
+        self.positions = torch.zeros(max_tokens, **i64)
+        self.slot_mapping = torch.full((max_tokens,), -1, **i64)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._kv_caches: list[torch.Tensor] | None = None
+
+    def static_metadata(self, size: int) -> AttentionMetadata:
+        raise NotImplementedError
+
+    def fill(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> int | None:
+        raise NotImplementedError
+
+    def pad_all(self) -> None:
+        raise NotImplementedError
+
+    def used_rows(self, meta: AttentionMetadata) -> int:
+        raise NotImplementedError
+
+    def capture(self, kv_caches: list[torch.Tensor]) -> None:
+        """Captures every bucket over `kv_caches` (the runner's, fixed for the engine's lifetime), largest first so
+        the smaller graphs reuse its memory pool."""
+        self._kv_caches = kv_caches
+        pool = None
+        self.pad_all()  # the warm-up and captured runs must not write the KV cache
+        for size in sorted(self.sizes, reverse=True):
+            ids, pos = self.input_ids[:size], self.positions[:size]
+
+            def run(size: int = size, ids: torch.Tensor = ids, pos: torch.Tensor = pos) -> torch.Tensor:
+                return self._forward(ids, pos, kv_caches, self.static_metadata(size))
+
+            graph, self._outputs[size] = capture_graph(run, pool)
+            pool = graph.pool()
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        assert kv_caches is self._kv_caches, "the graphs were captured over other KV cache tensors"
+        size = self.fill(input_ids, positions, meta)
+        if size is None:
+            return self._forward(input_ids, positions, kv_caches, meta)
+        self._graphs[size].replay()
+        return self._outputs[size][: self.used_rows(meta)]
+
+
+class CudaGraphDecodeStep(BucketedGraphs):
     """The decode-only step function that replays one captured forward per bucket size.
 
     `forward` is the model (the layer loop); `num_splits(size)` the decode split count frozen into bucket `size`.
@@ -85,20 +149,12 @@ class CudaGraphDecodeStep:
         num_splits: Callable[[int], int],
         device: torch.device,
     ) -> None:
-        self.sizes = sizes
-        self._forward = forward
+        super().__init__(forward, sizes, max(sizes), device)
         self._max_seq_len = max_seq_len
         self._num_splits = num_splits
         rows = max(sizes)
-        i64 = {"dtype": torch.int64, "device": device}
-        self.input_ids = torch.zeros(rows, **i64)
-        self.positions = torch.zeros(rows, **i64)
-        self.slot_mapping = torch.full((rows,), -1, **i64)
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(rows, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._kv_caches: list[torch.Tensor] | None = None
 
     def static_metadata(self, size: int) -> AttentionMetadata:
         """Decode-only metadata over the first `size` rows of the static buffers (what bucket `size` captured)."""
@@ -138,32 +194,9 @@ class CudaGraphDecodeStep:
             self.seq_lens[n:size].zero_()  # attention reads nothing, returns zeros
         return size
 
-    def capture(self, kv_caches: list[torch.Tensor]) -> None:
-        """Captures every bucket over `kv_caches` (the runner's, fixed for the engine's lifetime), largest first so
-        the smaller graphs reuse its memory pool."""
-        self._kv_caches = kv_caches
-        pool = None
-        # Padding everywhere: the warm-up and captured runs must not write the KV cache.
+    def pad_all(self) -> None:
         self.slot_mapping.fill_(-1)
         self.seq_lens.zero_()
-        for size in sorted(self.sizes, reverse=True):
-            meta = self.static_metadata(size)
-            ids, pos = self.input_ids[:size], self.positions[:size]
-            graph, self._outputs[size] = capture_graph(lambda: self._forward(ids, pos, kv_caches, meta), pool)  # noqa: B023
-            pool = graph.pool()
-            self._graphs[size] = graph
-        torch.cuda.synchronize()
 
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        assert kv_caches is self._kv_caches, "the graphs were captured over other KV cache tensors"
-        size = self.fill(input_ids, positions, meta)
-        if size is None:
-            return self._forward(input_ids, positions, kv_caches, meta)
-        self._graphs[size].replay()
-        return self._outputs[size][: meta.num_decodes]
+    def used_rows(self, meta: AttentionMetadata) -> int:
+        return meta.num_decodes

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from engine_core.attention.backend import AttentionMetadata
-from engine_core.cuda_graphs import Forward, bucket_for, capture_graph
+from engine_core.cuda_graphs import BucketedGraphs, Forward, bucket_for
 
 TileMap = Callable[[torch.Tensor, int], torch.Tensor]  # (query_start_loc, num_tiles) -> [num_tiles, 2] int32
 NumTiles = Callable[[int, int], int]  # (max_tokens, max_chunks) -> tile map length
@@ -48,7 +48,7 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sorted(sizes | {max_tokens})
 
 
-class CudaGraphMixedStep:
+class CudaGraphMixedStep(BucketedGraphs):
     """The step function for steps with prefill chunks: one captured forward per token bucket.
 
     `forward` is the model (the layer loop); `num_splits(rows)` the decode split count frozen into a bucket with
@@ -68,26 +68,19 @@ class CudaGraphMixedStep:
         num_tiles: NumTiles,
         device: torch.device,
     ) -> None:
-        self.sizes = sizes
-        self._forward = forward
+        super().__init__(forward, sizes, max(sizes), device)
         self._max_num_seqs = max_num_seqs
         self._max_seq_len = max_seq_len
         self._num_splits = num_splits
         self._tile_map = tile_map
         self._num_tiles = num_tiles
-        tokens, seqs = max(sizes), max_num_seqs
+        seqs = max_num_seqs
         i32 = {"dtype": torch.int32, "device": device}
-        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
         self.decode_seq_lens = torch.zeros(seqs, **i32)
         self.decode_block_tables = torch.zeros(seqs, max_blocks_per_seq, **i32)
         self.prefill_seq_lens = torch.zeros(seqs, **i32)
         self.prefill_block_tables = torch.zeros(seqs, max_blocks_per_seq, **i32)
         self.query_start_loc = torch.zeros(seqs + 1, **i32)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
-        self._kv_caches: list[torch.Tensor] | None = None
 
     def rows(self, size: int) -> int:
         """Decode rows, and prefill chunks, that bucket `size` has room for."""
@@ -143,36 +136,11 @@ class CudaGraphMixedStep:
         self.query_start_loc[np_ + 1 : self.rows(size) + 1].fill_(end)
         return size
 
-    def capture(self, kv_caches: list[torch.Tensor]) -> None:
-        """Captures every bucket over `kv_caches` (the runner's, fixed for the engine's lifetime), largest first so
-        the smaller graphs reuse its memory pool."""
-        self._kv_caches = kv_caches
-        pool = None
-        # Padding everywhere (no K/V written, no decode row, no chunk): warm-up and capture leave the cache alone.
+    def pad_all(self) -> None:
+        # No K/V written, no decode row, no chunk.
         self.slot_mapping.fill_(-1)
         self.decode_seq_lens.zero_()
         self.query_start_loc.zero_()
-        for size in sorted(self.sizes, reverse=True):
-            ids, pos = self.input_ids[:size], self.positions[:size]
 
-            def run(size: int = size, ids: torch.Tensor = ids, pos: torch.Tensor = pos) -> torch.Tensor:
-                return self._forward(ids, pos, kv_caches, self.static_metadata(size))
-
-            graph, self._outputs[size] = capture_graph(run, pool)
-            pool = graph.pool()
-            self._graphs[size] = graph
-        torch.cuda.synchronize()
-
-    def __call__(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        assert kv_caches is self._kv_caches, "the graphs were captured over other KV cache tensors"
-        size = self.fill(input_ids, positions, meta)
-        if size is None:
-            return self._forward(input_ids, positions, kv_caches, meta)
-        self._graphs[size].replay()
-        return self._outputs[size][: meta.num_tokens]
+    def used_rows(self, meta: AttentionMetadata) -> int:
+        return meta.num_tokens

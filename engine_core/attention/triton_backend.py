@@ -38,17 +38,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         num_decodes = meta.num_decodes
         if num_decodes > 0:
-            decode_attention(
-                q[:num_decodes],
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-                self.scale,
-                meta.max_decode_seq_len,
-                out=out[:num_decodes],
-                num_splits=meta.decode_num_splits,
-            )
+            self._decode(q[:num_decodes], k_cache, v_cache, meta, out[:num_decodes])
         # NOTE: the host-side query lengths give the prefill token count without a device sync.
         end = num_decodes + sum(meta.prefill_query_lens_cpu)
         if meta.num_prefills > 0 and end > num_decodes:
@@ -67,6 +57,21 @@ class TritonAttentionBackend(AttentionBackend):
             out[end:].zero_()  # padding rows past the last chunk belong to no sequence
         return out
 
+    def _decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor
+    ) -> None:
+        decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            self.scale,
+            meta.max_decode_seq_len,
+            out=out,
+            num_splits=meta.decode_num_splits,
+        )
+
     def _fixed_grid_forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -80,17 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.zeros_like(q)
         nd = meta.num_decodes
         if nd > 0:
-            decode_attention(
-                q[:nd],
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_seq_lens,
-                self.scale,
-                meta.max_decode_seq_len,
-                out=out[:nd],
-                num_splits=meta.decode_num_splits,
-            )
+            self._decode(q[:nd], k_cache, v_cache, meta, out[:nd])
         prefill_attention(
             q,
             k_cache,
