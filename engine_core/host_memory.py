@@ -5,10 +5,9 @@ maps guest memory on demand) 0.8-1.0 s per 256 MiB, so a 2 GiB KV cache took ~4 
 Anonymous `mmap` memory is zero by the kernel's guarantee and is faulted in on first write, so the cache is ready at
 once and pages appear as sequences fill them (a block's K/V is written before any kernel reads it).
 
-NOTE: the pages are not faulted in ahead of use: a nice-19 thread doing so (MADV_POPULATE_WRITE) was tried and
-measured: it still slowed the first request of `pagoda serve --demo` from 369 to 782 ms TTFT (page-fault work and
-memory bandwidth are not covered by CPU priority). A step that writes K/V into a block for the first time pays its
-fault instead (a 2,048-token prefill chunk: ~8 ms per layer in `store_kv`).
+NOTE: the pages are faulted in ahead of use only while no step runs (kv_prefault.py, started by the model runner):
+a step that writes K/V into a block for the first time would pay its fault (a 2,048-token prefill chunk: ~4.5 ms
+per layer in `store_kv`, ~0.3 ms once mapped).
 
 NOTE: the price is that memory is committed lazily: a host with less free memory than the KV budget would fail under
 load rather than at start-up. So the budget is checked against what the host (and the container's cgroup) has left

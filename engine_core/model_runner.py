@@ -22,6 +22,7 @@ from engine_core.cuda_graphs import CudaGraphDecodeStep, capture_sizes
 from engine_core.device_inputs import DeviceInputs, step_input_specs
 from engine_core.host_memory import zeroed_host_tensor
 from engine_core.input_batch import InputBatch, StepInputs
+from engine_core.kv_prefault import KvPrefaulter
 from engine_core.mixed_graphs import CudaGraphMixedStep, token_buckets
 from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
 from engine_core.models.cpu_linear import can_pack
@@ -126,6 +127,8 @@ class ModelRunner:
             block_bytes=2 * config.block_size * hf.num_key_value_heads * head_dim * elt * hf.num_hidden_layers,
         )
         self.kv_caches: list[torch.Tensor] = []
+        self._kv_whole: torch.Tensor | None = None  # CPU: the one mapping under every layer's view
+        self._prefaulter: KvPrefaulter | None = None  # CPU: faults the KV cache in between steps (kv_prefault.py)
         self.sampler = Sampler()
         self.last_timings = StepTimings()  # of the latest execute(); read by the worker service for its spans
         self.max_blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
@@ -203,6 +206,11 @@ class ModelRunner:
             setting = "num_kv_blocks" if self.config.num_kv_blocks is not None else "kv_cache_memory"
             whole = zeroed_host_tensor((info.num_layers, *shape), self.dtype, setting)
             self.kv_caches = list(whole.unbind(0))
+            if self._prefaulter is not None:
+                self._prefaulter.close()
+            self._kv_whole = whole  # the mapping the layers' views share; the prefaulter only refers to it weakly
+            self._prefaulter = KvPrefaulter(whole)  # faults the cache in while no step runs
+            self._prefaulter.start()
         else:
             self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
         tokens = num_blocks * self.config.block_size
@@ -235,7 +243,14 @@ class ModelRunner:
         # NOTE: four perf_counter() readings per step (well under a microsecond each) so the worker can show the
         # step's phases; a fresh object per step, so a reader never sees a half-written one.
         timings = self.last_timings = StepTimings(start=time.perf_counter())
-        out = self._execute(plan, timings)
+        prefaulter = self._prefaulter
+        if prefaulter is not None:
+            prefaulter.pause()
+        try:
+            out = self._execute(plan, timings)
+        finally:
+            if prefaulter is not None:
+                prefaulter.resume()
         timings.end = time.perf_counter()
         return out
 

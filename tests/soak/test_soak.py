@@ -149,7 +149,7 @@ def _http(url: str, rng: random.Random, vocab: int, tally: Tally) -> None:
         ok = len(choices) == opts.n
         reasons = [c["finish_reason"] for c in choices]
     ok = ok and len(reasons) == opts.n and set(reasons) <= {"stop", "length"}
-    tally.add("http finished", None if ok else f"bad HTTP result: {r.text[:300]}")
+    tally.add("http finished", None if ok else f"bad HTTP result: {r.text[:4000]}")
 
 
 def test_soak(soak_cluster: LocalCluster) -> None:

@@ -1,0 +1,123 @@
+"""Faults the host KV cache in while the engine is idle, so that a step's first K/V writes find their pages mapped.
+
+The CPU cache is one lazily-faulted anonymous mapping (host_memory.py): cheap to create, but the first write to
+each page is a fault, and on a VM whose host backs guest memory on demand a fresh worker paid ~2.7 s per GiB for
+them. Paid inside steps, that was 23,000 faults per 2,048-token prefill step (`store_kv` 4.5 ms per layer instead
+of ~0.3), ~7 % of every step until the whole cache had been used once.
+
+A background thread asks the kernel to populate the pages (`madvise(MADV_POPULATE_WRITE)`, Linux >= 5.14: the
+pages are mapped writable and their contents left as they are, so a block a step has already written keeps its
+K/V). It walks the blocks in the order the block pool hands them out (ascending ids, every layer's K and V of a
+chunk together), so the blocks the first requests get are the first ready.
+
+NOTE: it only runs while no step does: the runner pauses it for each step, and at most one call (a chunk of
+`CHUNK_BLOCKS` blocks of one layer's K or V, ~0.4 MiB, ~1 ms) overlaps a step's start. A thread that ran alongside
+the steps at low priority slowed the first request of `pagoda serve --demo` from 369 to 782 ms (session 5): page
+faults and memory bandwidth are not shared by CPU priority. The thread releases the GIL in each call (ctypes).
+NOTE: the price is that the whole budget is resident soon after start-up, as with an engine that zero-fills its
+cache; the budget was already checked against the host's free memory when the mapping was made.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+import time
+import weakref
+
+import structlog
+import torch
+
+log = structlog.get_logger(__name__)
+
+MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14)
+CHUNK_BLOCKS = 32  # blocks per call: 32 x 12 KiB for SmolLM2 at block size 16
+PAGE = 4096
+
+
+def _madvise() -> ctypes._CFuncPtr | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    fn = ctypes.CDLL(name, use_errno=True).madvise
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+class KvPrefaulter:
+    """Populates `cache` ([layers, 2, num_blocks, ...], contiguous, host memory) block chunk by block chunk.
+
+    `pause()`/`resume()` bracket each step; `close()` stops the thread (it also ends once everything is mapped)."""
+
+    def __init__(self, cache: torch.Tensor, chunk_blocks: int = CHUNK_BLOCKS) -> None:
+        assert cache.device.type == "cpu" and cache.is_contiguous() and cache.dim() >= 3
+        # NOTE: a weak reference: an engine that is dropped frees its cache, and the walk ends at its next call
+        # (a strong one is held only across each call, so the mapping never goes away under madvise).
+        self._cache = weakref.ref(cache)
+        self._chunk = chunk_blocks
+        self._call_ranges = self._ranges(cache)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._closed = False
+        self.bytes_done = 0
+        self.total_bytes = cache.numel() * cache.element_size()
+        self.unsupported = False  # the kernel has no MADV_POPULATE_WRITE (before 5.14) or madvise failed
+        self._thread = threading.Thread(target=self._run, name="kv-prefault", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def pause(self) -> None:
+        self._idle.clear()
+
+    def resume(self) -> None:
+        self._idle.set()
+
+    def close(self) -> None:
+        self._closed = True
+        self._idle.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """True once the thread has ended (done, closed or unsupported)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _ranges(self, cache: torch.Tensor) -> list[tuple[int, int]]:
+        """(address, length) per call, page-aligned, in block-allocation order."""
+        layers, halves, num_blocks = cache.shape[:3]
+        block_bytes = cache[0, 0, 0].numel() * cache.element_size()
+        base = cache.data_ptr()
+        half_bytes = num_blocks * block_bytes
+        out = []
+        for b0 in range(0, num_blocks, self._chunk):
+            n = min(self._chunk, num_blocks - b0)
+            for layer in range(layers):
+                for half in range(halves):
+                    start = base + (layer * halves + half) * half_bytes + b0 * block_bytes
+                    end = start + n * block_bytes
+                    lo = start & ~(PAGE - 1)  # the mapping is page-aligned, so rounding stays inside it
+                    out.append((lo, ((end + PAGE - 1) & ~(PAGE - 1)) - lo))
+        return out
+
+    def _run(self) -> None:
+        madvise = _madvise()
+        if madvise is None:
+            self.unsupported = True
+            return
+        t0 = time.perf_counter()
+        for addr, length in self._call_ranges:
+            self._idle.wait()
+            cache = self._cache()
+            if self._closed or cache is None:
+                return
+            failed = madvise(addr, length, MADV_POPULATE_WRITE) != 0
+            del cache
+            if failed:
+                self.unsupported = True
+                log.info("KV cache left to fault lazily", errno=ctypes.get_errno())
+                return
+            self.bytes_done += length
+        seconds = round(time.perf_counter() - t0, 2)
+        log.info("KV cache faulted in", gib=round(self.total_bytes / (1 << 30), 3), seconds=seconds)

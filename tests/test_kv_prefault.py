@@ -1,0 +1,84 @@
+"""The KV cache prefaulter: every page mapped in, contents untouched, and nothing done while a step runs."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+import pytest
+import torch
+
+from engine_core.host_memory import zeroed_host_tensor
+from engine_core.kv_prefault import KvPrefaulter
+
+PAGE = 4096
+
+
+def resident_fraction(t: torch.Tensor) -> float:
+    """Share of the tensor's pages that are mapped in (mincore(2))."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    start = t.data_ptr() & ~(PAGE - 1)
+    length = t.data_ptr() + t.numel() * t.element_size() - start
+    pages = (length + PAGE - 1) // PAGE
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) / pages
+
+
+def cache(num_blocks: int = 50) -> torch.Tensor:
+    # [layers, K/V, blocks, block_size, kv_heads, head_dim]: 12 KiB blocks, as SmolLM2's at block size 16
+    return zeroed_host_tensor((3, 2, num_blocks, 16, 3, 64), torch.float32, "kv_cache_memory")
+
+
+def finished(p: KvPrefaulter) -> None:
+    assert p.join(timeout=30)
+    if p.unsupported:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+
+
+def test_every_page_is_mapped_and_written_blocks_keep_their_contents() -> None:
+    kv = cache()
+    kv[1, 0, 7].fill_(1.5)  # a block a step wrote before the prefaulter reached it
+    kv[2, 1, 49].fill_(-2.0)
+    assert resident_fraction(kv) < 0.1
+    p = KvPrefaulter(kv, chunk_blocks=8)
+    p.start()
+    finished(p)
+    assert resident_fraction(kv) == 1.0
+    assert p.bytes_done >= p.total_bytes
+    assert bool((kv[1, 0, 7] == 1.5).all()) and bool((kv[2, 1, 49] == -2.0).all())
+    assert int(torch.count_nonzero(kv)) == 2 * kv[0, 0, 0].numel()
+
+
+def test_nothing_is_faulted_while_paused_and_the_walk_resumes() -> None:
+    kv = cache()
+    p = KvPrefaulter(kv, chunk_blocks=8)
+    p.pause()  # as the runner does for a step
+    p.start()
+    assert not p.join(timeout=0.3)
+    assert p.bytes_done == 0 and resident_fraction(kv) == 0.0
+    p.resume()
+    finished(p)
+    assert resident_fraction(kv) == 1.0
+
+
+def test_close_stops_the_walk() -> None:
+    kv = cache(400)
+    p = KvPrefaulter(kv, chunk_blocks=1)
+    p.pause()
+    p.start()
+    p.close()
+    assert p.join(timeout=10)
+    assert p.bytes_done == 0
+
+
+def test_a_dropped_cache_ends_the_walk() -> None:
+    kv = cache(400)
+    p = KvPrefaulter(kv, chunk_blocks=1)
+    p.pause()
+    p.start()
+    del kv  # the engine that owned it is gone: its memory is freed, not faulted in
+    p.resume()
+    assert p.join(timeout=10)
+    assert p.bytes_done == 0
