@@ -9,9 +9,10 @@ NOTE: the pages are faulted in ahead of use only while no step runs (kv_prefault
 a step that writes K/V into a block for the first time would pay its fault (a 2,048-token prefill chunk: ~4.5 ms
 per layer in `store_kv`, ~0.3 ms once mapped).
 
-NOTE: the price is that memory is committed lazily: a host with less free memory than the KV budget would fail under
-load rather than at start-up. So the budget is checked against what the host (and the container's cgroup) has left
-before the mapping is made, and a budget that cannot fit is refused at once, naming the setting.
+NOTE: the price is that memory is committed lazily (until the prefaulter has walked the cache, soon after start-up
+on an idle engine): a host with less free memory than the KV budget would fail then rather than at allocation. So
+the budget is checked against what the host (and the container's cgroup) has left before the mapping is made, and a
+budget that cannot fit is refused at once, naming the setting.
 """
 
 from __future__ import annotations
