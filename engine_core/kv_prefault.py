@@ -2,8 +2,8 @@
 
 The CPU cache is one lazily-faulted anonymous mapping (host_memory.py): cheap to create, but the first write to
 each page is a fault, and on a VM whose host backs guest memory on demand a fresh worker paid ~2.7 s per GiB for
-them. Paid inside steps, that was 23,000 faults per 2,048-token prefill step (`store_kv` 4.5 ms per layer instead
-of ~0.3), ~7 % of every step until the whole cache had been used once.
+them. Paid inside steps, a 2,048-token prefill step's 94 MiB of fresh K/V were ~23,000 faults: `store_kv` took
+136 of the step's 2,570 ms (4.5 ms per layer instead of ~0.3), in every step until the whole cache had been used.
 
 A background thread asks the kernel to populate the pages (`madvise(MADV_POPULATE_WRITE)`, Linux >= 5.14: the
 pages are mapped writable and their contents left as they are, so a block a step has already written keeps its
@@ -12,7 +12,7 @@ chunk together), so the blocks the first requests get are the first ready.
 
 NOTE: it only runs while no step does: the runner pauses it for each step, and at most one call (a chunk of
 `CHUNK_BLOCKS` blocks of one layer's K or V, ~0.4 MiB, ~1 ms) overlaps a step's start. A thread that ran alongside
-the steps at low priority slowed the first request of `pagoda serve --demo` from 369 to 782 ms (session 5): page
+the steps at low priority slowed the first request of `pagoda serve --demo` from 369 to 782 ms (session 4): page
 faults and memory bandwidth are not shared by CPU priority. The thread releases the GIL in each call (ctypes).
 NOTE: the price is that the whole budget is resident soon after start-up, as with an engine that zero-fills its
 cache; the budget was already checked against the host's free memory when the mapping was made.
@@ -64,16 +64,19 @@ class KvPrefaulter:
         self.bytes_done = 0
         self.total_bytes = cache.numel() * cache.element_size()
         self.unsupported = False  # the kernel has no MADV_POPULATE_WRITE (before 5.14) or madvise failed
+        self.finished = False  # the thread has ended (walk done, closed, cache dropped or unsupported)
         self._thread = threading.Thread(target=self._run, name="kv-prefault", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
     def pause(self) -> None:
-        self._idle.clear()
+        if not self.finished:  # NOTE: once the walk is over a step costs one attribute read, not an Event's lock
+            self._idle.clear()
 
     def resume(self) -> None:
-        self._idle.set()
+        if not self.finished:
+            self._idle.set()
 
     def close(self) -> None:
         self._closed = True
@@ -102,6 +105,12 @@ class KvPrefaulter:
         return out
 
     def _run(self) -> None:
+        try:
+            self._walk()
+        finally:
+            self.finished = True
+
+    def _walk(self) -> None:
         madvise = _madvise()
         if madvise is None:
             self.unsupported = True

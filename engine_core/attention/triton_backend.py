@@ -42,17 +42,7 @@ class TritonAttentionBackend(AttentionBackend):
         # NOTE: the host-side query lengths give the prefill token count without a device sync.
         end = num_decodes + sum(meta.prefill_query_lens_cpu)
         if meta.num_prefills > 0 and end > num_decodes:
-            prefill_attention(
-                q[num_decodes:end],
-                k_cache,
-                v_cache,
-                meta.prefill_block_tables,
-                meta.prefill_seq_lens,
-                meta.prefill_query_start_loc,
-                self.scale,
-                meta.max_prefill_query_len,
-                out=out[num_decodes:end],
-            )
+            self._prefill(q[num_decodes:end], k_cache, v_cache, meta, out[num_decodes:end])
         if end < out.shape[0]:
             out[end:].zero_()  # padding rows past the last chunk belong to no sequence
         return out
@@ -72,6 +62,28 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits=meta.decode_num_splits,
         )
 
+    def _prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        out: torch.Tensor,
+        tile_map: torch.Tensor | None = None,
+    ) -> None:
+        prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.prefill_block_tables,
+            meta.prefill_seq_lens,
+            meta.prefill_query_start_loc,
+            self.scale,
+            meta.max_prefill_query_len,
+            out=out,
+            tile_map=tile_map,
+        )
+
     def _fixed_grid_forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
@@ -86,16 +98,5 @@ class TritonAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         if nd > 0:
             self._decode(q[:nd], k_cache, v_cache, meta, out[:nd])
-        prefill_attention(
-            q,
-            k_cache,
-            v_cache,
-            meta.prefill_block_tables,
-            meta.prefill_seq_lens,
-            meta.prefill_query_start_loc,
-            self.scale,
-            meta.max_prefill_query_len,
-            out=out,
-            tile_map=meta.prefill_tile_map,
-        )
+        self._prefill(q, k_cache, v_cache, meta, out, tile_map=meta.prefill_tile_map)
         return out
