@@ -15,6 +15,7 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry
 
+from engine_core.host_allocator import retain_freed_memory
 from engine_core.model_files import model_name, resolve_model_dir
 from engine_core.model_runner import ModelRunner
 from services.common.grpc_opts import SERVER_OPTIONS
@@ -190,6 +191,7 @@ async def serve(config: WorkerConfig, telemetry: Telemetry | None = None) -> Non
 
 def main(argv: list[str] | None = None) -> int:
     configure_logging("worker")
+    retain_freed_memory()  # NOTE: before the step thread's first allocation (the model load): see host_allocator.py
     config = parse_worker_args(argv)
     telemetry = setup_tracing(config.tracing)
     try:

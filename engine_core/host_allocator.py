@@ -1,0 +1,58 @@
+"""glibc's malloc told to keep the memory a step frees, so the next step does not fault it in again.
+
+A CPU step allocates its activations afresh (torch's CPU allocator is plain malloc): a 2,048-token prefill step
+some 300 MB of them. By default glibc hands much of that back to the kernel when it is freed (chunks above its mmap
+threshold are unmapped, a free top of the heap is trimmed, and a thread's own arena starts empty), and a later step
+faults it in again, page by page, at several microseconds a fault on this 2-core VM. In the worker, whose steps run on
+their own thread, the first 2,048-token step of a 64-stream load took 2.5-3.1 s with 26,000-118,000 page faults
+against 2.3-2.5 s for the next ones, a delay that lands on every request's TTFT; some loads re-faulted ~100,000 pages
+in each of five later steps (docs/benchmarks.md, session 8).
+
+`retain_freed_memory` makes the process one heap that only grows: every thread allocates from the main arena
+(M_ARENA_MAX 1), no chunk is mapped on its own (M_MMAP_MAX 0) and the heap is trimmed only past 2 GiB of free top
+(M_TRIM_THRESHOLD, the most mallopt takes). Freed activations (and the model loader's freed temporaries) are reused
+by the next step.
+
+NOTE: the price is that the process keeps its high-water mark of heap memory (the largest step's activations, or the
+model load's temporaries, whichever is larger) for its lifetime, which is what a dedicated worker process wants (the
+serving processes' peak RSS did not grow: 4.56-4.59 GB with it, 4.56-4.67 GB without). The KV cache is not on the
+heap (host_memory.py maps it), so it is not affected. These are process-wide settings: the worker applies them at
+start; the in-process `LLM` leaves its host process's allocator alone (offline, where steps run on the main thread,
+it gained 1 %: inside the noise, decisions.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+# mallopt parameters (glibc's malloc.h)
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
+_INT_MAX = 2**31 - 1  # mallopt takes an int: the largest trim threshold it can express (2 GiB of free top)
+
+RETAIN_SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _INT_MAX))
+
+
+def retain_freed_memory() -> bool:
+    """Applies RETAIN_SETTINGS to this process's glibc malloc; False (and nothing changed) where there is no glibc.
+
+    Call it before the threads that run steps allocate anything: a thread keeps the arena of its first allocation."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        log.info("allocator settings skipped: not glibc", system=platform.system())
+        return False
+    mallopt = ctypes.CDLL(None).mallopt
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    # NOTE: mallopt returns 1 on success; a failed setting leaves glibc's default for that one, which is still safe.
+    failed = [param for param, value in RETAIN_SETTINGS if mallopt(param, value) != 1]
+    if failed:
+        log.warning("allocator settings partly refused", params=failed)
+    else:
+        log.info("allocator keeps freed memory", arena_max=1, mmap_max=0, trim_threshold=_INT_MAX)
+    return not failed
