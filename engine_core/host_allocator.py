@@ -5,8 +5,8 @@ some 300 MB of them. By default glibc hands much of that back to the kernel when
 threshold are unmapped, a free top of the heap is trimmed, and a thread's own arena starts empty), and a later step
 faults it in again, page by page, at several microseconds a fault on this 2-core VM. In the worker, whose steps run on
 their own thread, the first 2,048-token step of a 64-stream load took 2.5-3.1 s with 26,000-118,000 page faults
-against 2.3-2.5 s for the next ones, a delay that lands on every request's TTFT; some loads re-faulted ~100,000 pages
-in each of five later steps (docs/benchmarks.md, session 8).
+against 2.3-2.5 s for the next ones, a delay that lands on every request's TTFT; some loads re-faulted over 50,000
+pages in each of five or six later steps (docs/benchmarks.md, session 8).
 
 `retain_freed_memory` makes the process one heap that only grows: every thread allocates from the main arena
 (M_ARENA_MAX 1), no chunk is mapped on its own (M_MMAP_MAX 0) and the heap is trimmed only past 2 GiB of free top
