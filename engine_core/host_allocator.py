@@ -8,17 +8,26 @@ their own thread, the first 2,048-token step of a 64-stream load took 2.5-3.1 s 
 against 2.3-2.5 s for the next ones, a delay that lands on every request's TTFT; some loads re-faulted over 50,000
 pages in each of five or six later steps (docs/benchmarks.md, session 8).
 
-`retain_freed_memory` makes the process one heap that only grows: every thread allocates from the main arena
-(M_ARENA_MAX 1), no chunk is mapped on its own (M_MMAP_MAX 0) and the heap is trimmed only past 2 GiB of free top
-(M_TRIM_THRESHOLD, the most mallopt takes). Freed activations (and the model loader's freed temporaries) are reused
-by the next step.
+`retain_freed_memory` makes the process one heap that keeps what it frees: every thread allocates from the main
+arena (M_ARENA_MAX 1), every chunk below 32 MiB comes from that heap (M_MMAP_THRESHOLD at its maximum, which also
+stops glibc from starting at 128 KiB and raising it as chunks are freed) and the heap is trimmed only past 2 GiB of
+free top (M_TRIM_THRESHOLD, the most mallopt takes). Freed activations are reused by later steps.
 
-NOTE: the price is that the process keeps its high-water mark of heap memory (the largest step's activations, or the
-model load's temporaries, whichever is larger) for its lifetime, which is what a dedicated worker process wants (the
-serving processes' peak RSS did not grow: 4.56-4.59 GB with it, 4.56-4.67 GB without). The KV cache is not on the
-heap (host_memory.py maps it), so it is not affected. These are process-wide settings: the worker applies them at
-start; the in-process `LLM` leaves its host process's allocator alone (offline, where steps run on the main thread,
-it gained 1 %: inside the noise, decisions.md).
+NOTE: chunks of 32 MiB and more (the model loader's temporaries; no activation of a 2,048-token step of the default
+model is that large) are still mapped on their own and unmapped when freed. Session 8 had M_MMAP_MAX 0 (none mapped):
+steps measured the same (session 9, decisions.md), but the loader's temporaries then stayed in the heap (~100 MB more
+RSS after start-up), and a 64 MiB tensor allocated and freed again and again on one thread grew the heap to
+800-990 MB before it settled. That growth is glibc's, at any size: torch allocates with posix_memalign, which frees
+a small remainder beside each chunk, and while that remainder sits in the thread's cache the freed chunk cannot merge
+with its neighbours, so the next request of the same size does not fit in it. Below 32 MiB a step's mix of sizes
+bounds it (the worker's RSS was flat from the second load on).
+
+NOTE: the price is that the process keeps its high-water mark of heap memory (the largest step's activations) for
+its lifetime, which is what a dedicated worker process wants (the serving processes' peak RSS did not grow:
+4.56-4.59 GB with it, 4.56-4.67 GB without, session 8; 4.89-4.91 GB either way, session 9). The KV cache is not on
+the heap (host_memory.py maps it), so it is not affected. These are process-wide settings: the worker applies them
+at start; the in-process `LLM` leaves its host process's allocator alone (offline, where steps run on the main
+thread, it gained 1 %: inside the noise, decisions.md).
 """
 
 from __future__ import annotations
@@ -32,17 +41,19 @@ log = structlog.get_logger(__name__)
 
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
-M_MMAP_MAX = -4
+M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 _INT_MAX = 2**31 - 1  # mallopt takes an int: the largest trim threshold it can express (2 GiB of free top)
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX); mallopt refuses more
 
-RETAIN_SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, _INT_MAX))
+RETAIN_SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, _INT_MAX))
 
 
 def retain_freed_memory() -> bool:
     """Applies RETAIN_SETTINGS to this process's glibc malloc; False (and nothing changed) where there is no glibc.
 
-    Call it before the threads that run steps allocate anything: a thread keeps the arena of its first allocation."""
+    Call it before the threads that run steps allocate anything: a thread keeps the arena of its first allocation,
+    and glibc gives a new thread the arena of one that exited whatever M_ARENA_MAX says."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         log.info("allocator settings skipped: not glibc", system=platform.system())
         return False
@@ -54,5 +65,7 @@ def retain_freed_memory() -> bool:
     if failed:
         log.warning("allocator settings partly refused", params=failed)
     else:
-        log.info("allocator keeps freed memory", arena_max=1, mmap_max=0, trim_threshold=_INT_MAX)
+        log.info(
+            "allocator keeps freed memory", arena_max=1, mmap_threshold=_MMAP_THRESHOLD_MAX, trim_threshold=_INT_MAX
+        )
     return not failed
