@@ -14,17 +14,15 @@ stops glibc from starting at 128 KiB and raising it as chunks are freed) and the
 free top (M_TRIM_THRESHOLD, the most mallopt takes). Freed activations are reused by later steps.
 
 NOTE: chunks of 32 MiB and more (the model loader's temporaries; no activation of a 2,048-token step of the default
-model is that large) are still mapped on their own and unmapped when freed. Session 8 had M_MMAP_MAX 0 (none mapped):
-steps measured the same (session 9, decisions.md), but the loader's temporaries then stayed in the heap (~100 MB more
-RSS after start-up), and a 64 MiB tensor allocated and freed again and again on one thread grew the heap to
-800-990 MB before it settled. That growth is glibc's, at any size: torch allocates with posix_memalign, which frees
-a small remainder beside each chunk, and while that remainder sits in the thread's cache the freed chunk cannot merge
-with its neighbours, so the next request of the same size does not fit in it. Below 32 MiB a step's mix of sizes
-bounds it (the worker's RSS was flat from the second load on).
+model is that large) are still mapped on their own and unmapped when freed. Mapping none (M_MMAP_MAX 0, session 8)
+kept the loader's temporaries in the heap (~100 MB more RSS) and let one large size, allocated and freed again and
+again, grow the heap by its size for up to a dozen rounds: torch's posix_memalign frees a small remainder beside each
+chunk, which keeps the freed chunk from merging, so the next request of that size does not fit in it (decisions.md,
+session 9).
 
 NOTE: the price is that the process keeps its high-water mark of heap memory (the largest step's activations) for
 its lifetime, which is what a dedicated worker process wants (the serving processes' peak RSS did not grow:
-4.56-4.59 GB with it, 4.56-4.67 GB without, session 8; 4.89-4.91 GB either way, session 9). The KV cache is not on
+4.56-4.59 GB with it, 4.56-4.67 GB without, session 8; 4.88-4.92 GB either way, session 9). The KV cache is not on
 the heap (host_memory.py maps it), so it is not affected. These are process-wide settings: the worker applies them
 at start; the in-process `LLM` leaves its host process's allocator alone (offline, where steps run on the main
 thread, it gained 1 %: inside the noise, decisions.md).
@@ -46,7 +44,12 @@ M_ARENA_MAX = -8
 _INT_MAX = 2**31 - 1  # mallopt takes an int: the largest trim threshold it can express (2 GiB of free top)
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's largest on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX); mallopt refuses more
 
-RETAIN_SETTINGS = ((M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX), (M_TRIM_THRESHOLD, _INT_MAX))
+# name (as logged) -> (mallopt parameter, value)
+RETAIN_SETTINGS = {
+    "arena_max": (M_ARENA_MAX, 1),
+    "mmap_threshold": (M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX),
+    "trim_threshold": (M_TRIM_THRESHOLD, _INT_MAX),
+}
 
 
 def retain_freed_memory() -> bool:
@@ -61,11 +64,9 @@ def retain_freed_memory() -> bool:
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     # NOTE: mallopt returns 1 on success; a failed setting leaves glibc's default for that one, which is still safe.
-    failed = [param for param, value in RETAIN_SETTINGS if mallopt(param, value) != 1]
+    failed = [name for name, (param, value) in RETAIN_SETTINGS.items() if mallopt(param, value) != 1]
     if failed:
-        log.warning("allocator settings partly refused", params=failed)
+        log.warning("allocator settings partly refused", refused=failed)
     else:
-        log.info(
-            "allocator keeps freed memory", arena_max=1, mmap_threshold=_MMAP_THRESHOLD_MAX, trim_threshold=_INT_MAX
-        )
+        log.info("allocator keeps freed memory", **{name: value for name, (_, value) in RETAIN_SETTINGS.items()})
     return not failed
