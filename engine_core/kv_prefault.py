@@ -20,6 +20,7 @@ cache; the budget was already checked against the host's free memory when the ma
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import ctypes.util
 import threading
@@ -46,6 +47,24 @@ def _madvise() -> ctypes._CFuncPtr | None:
     return fn
 
 
+_started: weakref.WeakSet[KvPrefaulter] = weakref.WeakSet()
+
+
+@atexit.register
+def _join_at_exit() -> None:
+    """Ends every walk before the interpreter finalizes.
+
+    NOTE: a walk holds the cache during each madvise call. Where the engine is already gone (an `LLM` local to a
+    script's `main()`), the walk's release is the last, and the cache is unmapped on the walk's thread with the GIL
+    released; an interpreter that finalizes meanwhile ends that thread inside torch's buffer deleter, and the process
+    aborted at exit ('terminate called without an active exception', exit status 134)."""
+    walks = list(_started)
+    for walk in walks:
+        walk.close()
+    for walk in walks:
+        walk.join(timeout=10.0)
+
+
 class KvPrefaulter:
     """Populates `cache` ([layers, 2, num_blocks, ...], contiguous, host memory) block chunk by block chunk.
 
@@ -68,6 +87,7 @@ class KvPrefaulter:
         self._thread = threading.Thread(target=self._run, name="kv-prefault", daemon=True)
 
     def start(self) -> None:
+        _started.add(self)
         self._thread.start()
 
     def pause(self) -> None:

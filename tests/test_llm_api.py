@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 
 from engine_core import LLM, SamplingParams
@@ -116,3 +121,25 @@ def test_outputs_carry_timings(llm: LLM) -> None:
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= (m.finished_time or 0)
     assert m.time_in_queue is not None and m.time_in_queue >= 0
     assert m.e2e_latency is not None and m.e2e_latency >= (m.time_to_first_token or 0) > 0
+
+
+def test_a_script_that_drops_its_llm_exits_cleanly(smollm2_dir: str) -> None:
+    """An `LLM` local to a script's main() is gone before the interpreter finalizes while its KV cache is still
+    being faulted in (kv_prefault.py): the process exited with SIGABRT (status 134) before the walk was joined."""
+    script = textwrap.dedent(
+        f"""
+        from engine_core import LLM, SamplingParams
+
+        def main():
+            llm = LLM({smollm2_dir!r}, kv_cache_memory=2)
+            params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            out = llm.generate([{{"prompt_token_ids": [1, 2, 3]}}], params, use_tqdm=False)[0].outputs[0]
+            print("generated", len(out.token_ids))
+
+        main()
+        """
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "generated 4" in done.stdout
