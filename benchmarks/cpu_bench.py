@@ -2,8 +2,10 @@
 
 - `gemm`: the 30 layers' projections (576x960 qkv, 576x576 o, 576x3072 gate/up, 1536x576 down) and the
   49152x576 LM head at 1..2048 rows, through MKL `F.linear`, oneDNN with the weight packed once
-  (`mkldnn._linear_pointwise`) and the native
-  panel kernel (`panel_linear`, weight packed once into 16-column panels, meant for decode-sized row counts).
+  (`mkldnn._linear_pointwise`), the native
+  panel kernel (`panel_linear`, weight packed once into 16-column panels, meant for decode-sized row counts) and,
+  up to 64 rows, the coded kernel (`coded_linear`: the same weights read as GGUF blocks, Q4_1 for the layers and
+  Q8_0 for the LM head as in the default model; every kernel runs the same random weights, which are such blocks).
 - `attention`: decode attention per layer (9 query / 3 KV heads, head dim 64, block size 16, context lengths
   uniform in [ctx/4, ctx] sorted longest-first as the engine hands them over, one cache per layer so the K/V come
   from DRAM; block tables in allocation order and shuffled): the torch backend (gather into a workspace + SDPA, in
@@ -12,7 +14,7 @@
   `torch` backend's `TorchPrefill`) against the native paged prefill kernel, in causal GFLOP/s (4 * D * H flops
   per visible (query, key) pair).
 
-    python benchmarks/cpu_bench.py [gemm|attention|prefill|all] [--threads 2]
+    python benchmarks/cpu_bench.py [gemm|attention|prefill|all] [--threads 2] [--rows 1 8 64]
 
 Appends one JSON line per run to benchmarks/results/cpu_bench.jsonl. Numbers from a quiet machine only: another
 busy process on a 2-core box halves them.
@@ -37,6 +39,7 @@ RESULTS = Path(__file__).parent / "results" / "cpu_bench.jsonl"
 LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # (in, out)
 LAYERS = 30
 VOCAB = 49152
+ROWS = [1, 2, 4, 5, 8, 16, 32, 64, 128, 256, 512, 2048]
 
 
 def timed(fn: Callable[[], object], min_seconds: float = 0.5) -> float:
@@ -51,18 +54,20 @@ def timed(fn: Callable[[], object], min_seconds: float = 0.5) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def bench_gemm() -> list[dict[str, object]]:
+def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
     from kernels import cpu as cpu_kernels
 
     torch.manual_seed(0)
-    plain = [[torch.randn(o, i) * 0.02 for i, o in LAYER_SHAPES] for _ in range(LAYERS)]
+    plain = [[_gguf_like(o, i, 4) for i, o in LAYER_SHAPES] for _ in range(LAYERS)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in plain]
-    lm = torch.randn(VOCAB, 576) * 0.02
+    lm = _gguf_like(VOCAB, 576, 8)
     lm_packed = torch.ops.mkldnn._reorder_linear_weight(lm, None)
     panels = [[(cpu_kernels.panel_pack(w), w.shape[0]) for w in ws] for ws in plain]
     lm_panels = (cpu_kernels.panel_pack(lm), VOCAB)
+    coded = [[(cpu_kernels.coded_pack(w), w.shape[0]) for w in ws] for ws in plain]
+    lm_coded = (cpu_kernels.coded_pack(lm), VOCAB)
     rows_out: list[dict[str, object]] = []
-    print("rows | 30 layers: mkl, onednn, panel | lm head: mkl, onednn, panel   (ms)")
+    print("rows | 30 layers: mkl, onednn, panel, coded | lm head: mkl, onednn, panel, coded   (ms)")
     mkl = torch.nn.functional.linear
 
     def dnn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -71,12 +76,15 @@ def bench_gemm() -> list[dict[str, object]]:
     def panel(x: torch.Tensor, w: tuple[torch.Tensor, int]) -> torch.Tensor:
         return cpu_kernels.panel_linear(x, w[0], w[1], None)
 
+    def coded_op(x: torch.Tensor, w: tuple[torch.Tensor, int]) -> torch.Tensor:
+        return cpu_kernels.coded_linear(x, w[0], w[1], None)
+
     def layers(op: Callable[..., object], weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
         for ws in weights:
             for (i, _), w in zip(LAYER_SHAPES, ws, strict=True):
                 op(xs[i], w)
 
-    for m in (1, 2, 4, 5, 8, 16, 32, 64, 128, 256, 512, 2048):
+    for m in rows:
         xs = {i: torch.randn(m, i) for i, _ in LAYER_SHAPES}
         x = xs[576]
         row: dict[str, object] = {"rows": m}
@@ -84,13 +92,22 @@ def bench_gemm() -> list[dict[str, object]]:
             row["layers_mkl_ms"] = timed(partial(layers, mkl, plain, xs))
             row["layers_onednn_ms"] = timed(partial(layers, dnn, packed, xs))
             row["layers_panel_ms"] = timed(partial(layers, panel, panels, xs))
+            row["layers_coded_ms"] = timed(partial(layers, coded_op, coded, xs)) if m <= 64 else None
             row["lm_mkl_ms"] = timed(partial(mkl, x, lm))
             row["lm_onednn_ms"] = timed(partial(dnn, x, lm_packed))
             row["lm_panel_ms"] = timed(partial(panel, x, lm_panels))
+            row["lm_coded_ms"] = timed(partial(coded_op, x, lm_coded)) if m <= 64 else None
         cells = [row[k] for k in row if k != "rows"]
         print(f"{m:>5} " + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells), flush=True)
         rows_out.append(row)
     return rows_out
+
+
+def _gguf_like(n: int, k: int, bits: int) -> torch.Tensor:
+    """Random weights ~0.02 in magnitude, GGUF-quantized and decoded (Q4_1 for 4 bits, Q8_0 for 8)."""
+    from kernels.reference import ref_gguf_decoded
+
+    return ref_gguf_decoded(torch.randn(n, k) * 0.02, "q4_1" if bits == 4 else "q8_0")
 
 
 # One layer of SmolLM2-135M's attention over a paged cache of ATTN_POOL blocks (both attention benches).
@@ -253,6 +270,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", nargs="?", default="all", choices=["gemm", "attention", "prefill", "all"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="gemm: the row counts (default: %(default)s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kernels import cpu as cpu_kernels
@@ -265,7 +283,7 @@ def main() -> None:
         "torch": torch.__version__,
     }
     if args.which in ("gemm", "all"):
-        record["gemm"] = bench_gemm()
+        record["gemm"] = bench_gemm(args.rows)
     if args.which in ("attention", "all"):
         record["attention"] = bench_attention()
     if args.which in ("prefill", "all"):

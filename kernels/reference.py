@@ -124,3 +124,22 @@ def ref_rotary_neox(
 def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.float().chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def ref_gguf_decoded(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """`w` [N, K] quantized per block of 32 as llama.cpp's quantize_row_q4_1 / q8_0 do, then decoded as transformers'
+    GGUF loader does (gguf-py: d * q + m in float32, d and m stored as f16): what `coded_pack` must recognise."""
+    n, k = w.shape
+    b = w.reshape(n, k // 32, 32)
+    if kind == "q4_1":
+        lo, hi = b.amin(-1, keepdim=True), b.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        q = ((b - lo) * torch.where(d > 0, 1 / d, torch.zeros_like(d)) + 0.5).trunc().clamp(max=15)
+        out = d.half().float() * q + lo.half().float()
+    elif kind == "q8_0":
+        d = b.abs().amax(-1, keepdim=True) / 127
+        q = (b * torch.where(d > 0, 1 / d, torch.zeros_like(d))).round()
+        out = d.half().float() * q
+    else:
+        raise ValueError(f"kind must be q4_1 or q8_0, not {kind!r}")
+    return out.reshape(n, k)

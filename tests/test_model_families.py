@@ -11,13 +11,17 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 from engine_core import LLM, SamplingParams
 from engine_core.model_files import load_tokenizer
 from engine_core.models.native_decode import NativeDecodeStep
+from kernels import cpu as cpu_kernels
+from kernels.reference import ref_gguf_decoded
 from tests.conftest import TRITON_DEVICE
 from tests.hf_reference import hf_greedy
 
 VOCAB = 49152  # SmolLM2's tokenizer is saved beside the tiny weights so text prompts work too
 
 
-def _tiny(kind: str, path: Path, smollm2_dir: str) -> Path:
+def _tiny(kind: str, path: Path, smollm2_dir: str, gguf: bool = False) -> Path:
+    """A tiny random model of `kind`; with `gguf`, its projections are GGUF blocks decoded (Q4_1, and Q8_0 for the
+    LM head), as the default model's are, so that the coded kernel runs them."""
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -42,6 +46,11 @@ def _tiny(kind: str, path: Path, smollm2_dir: str) -> Path:
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.2)
+    if gguf:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if param.dim() == 2 and "embed" not in name:
+                    param.copy_(ref_gguf_decoded(param, "q8_0" if "lm_head" in name else "q4_1"))
     model.save_pretrained(path)
     load_tokenizer(smollm2_dir).save_pretrained(path)
     return path
@@ -113,20 +122,24 @@ def test_half_precision_dtypes_track_float32(dtype: str, tmp_path: Path, smollm2
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize(
-    ("onednn_m", "large_m"), [(128, 512), (1, 512), (1, 1)], ids=["panel-gemm", "onednn-gemm", "mkl-gemm"]
+    ("gguf", "onednn_m", "large_m"),
+    [(True, 128, 512), (False, 128, 512), (False, 1, 512), (False, 1, 1)],
+    ids=["coded-gemm", "panel-gemm", "onednn-gemm", "mkl-gemm"],
 )
 def test_native_decode_step_matches_the_python_layers(
-    kind: str, onednn_m: int, large_m: int, tmp_path: Path, smollm2_dir: str
+    kind: str, gguf: bool, onednn_m: int, large_m: int, tmp_path: Path, smollm2_dir: str
 ) -> None:
     """Decode-only steps run every layer in one native call (kernels/cpu/decode_step.cpp): same tokens and logprobs
     as the Python layer loop, through each of its GEMM paths (6 decode rows; the row thresholds are moved so each
-    path takes them). Qwen2 brings the Q/K/V biases."""
-    model_dir = _tiny(kind, tmp_path / kind, smollm2_dir)
+    path takes them, and GGUF-decoded weights take the coded kernel). Qwen2 brings the Q/K/V biases."""
+    model_dir = _tiny(kind, tmp_path / kind, smollm2_dir, gguf=gguf)
     llm = LLM(str(model_dir), kv_cache_memory=0.05, enable_prefix_caching=False)
     runner = llm.core.executor
     if not isinstance(runner.decode_step, NativeDecodeStep):
         pytest.skip("native CPU kernels unavailable")
     runner.decode_step.weights.onednn_m, runner.decode_step.weights.large_m = onednn_m, large_m
+    coded = [c is not None for c in runner.decode_step.weights.coded]
+    assert all(coded) == (gguf and cpu_kernels.coded_linear_vectorized()) and (all(coded) or not any(coded))
     gen = torch.Generator().manual_seed(3)
     prompts = [
         {"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (3, 40, 1, 17, 9, 5)

@@ -22,8 +22,26 @@ From 128 rows oneDNN and the panel kernel are within the machine's noise on the 
 runs: 128 rows 143.3 vs 155.9 ms, 256: 285.6 vs 294.1, 192: 215.9 vs 201.4) and oneDNN wins the LM head by 6-8 %
 (non-temporal stores of its 49152-wide output did not close that), so oneDNN keeps 128-511 rows.
 From LARGE_M rows MKL runs only where it wins a race against oneDNN at load (`mkl_from_rows`; it lost here).
+
+Below CODED_M rows, a weight that is exactly GGUF blocks decoded (the default model's layers are Q4_1, its tied
+embedding Q8_0; `coded_pack` finds the codes and checks every weight) is read as its codes by `coded_linear`, which
+gives the panel kernel's bits from 6 or 9 bits per weight instead of 32 (same benchmark, session 10, ms):
+
+| rows | 30 layers: panel | coded    | LM head: panel | coded   |
+| ---- | ---------------- | -------- | -------------- | ------- |
+| 1    | 15.3             | **4.6**  | 3.0            | **1.0** |
+| 4    | 13.8             | **5.9**  | 3.2            | **1.3** |
+| 8    | 14.5             | **10.8** | 2.9            | 3.0     |
+| 16   | 20.4             | 19.7     | 6.3            | 5.6     |
+| 32   | 39.0             | 39.3     | 9.8            | 11.0    |
+| 64   | 79.2             | 79.0     | 19.3           | 20.9    |
+
+Each block of 8 rows decodes the weight again, so from ~16 rows the kernel is FMA-bound like the panel kernel, and
+from 32 rows the float32 panels (kept for those rows) are as fast or faster.
+
 NOTE: memory: three copies of each weight (plain for MKL and the tied embedding, oneDNN, panels): +0.5 GB for
-SmolLM2 over the two before; `onednn_from=None` drops the oneDNN copy for at most ~5 % at 128-511 rows.
+SmolLM2 over the two before, and ~0.11 GB of code records where the weights have them; `onednn_from=None` drops
+the oneDNN copy for at most ~5 % at 128-511 rows.
 Without the native kernels every row count below `mkl_from_rows()` goes to oneDNN.
 """
 
@@ -37,6 +55,7 @@ from torch import nn
 
 from kernels import cpu as cpu_kernels
 
+CODED_M = 32  # rows below which a weight with block codes runs the coded kernel
 ONEDNN_M = 128  # rows from which oneDNN runs (below: the panel kernel)
 LARGE_M = 512  # rows from which MKL runs, on CPUs where it beats oneDNN (`mkl_from_rows`)
 NEVER = 1 << 62  # a row threshold no step reaches
@@ -89,6 +108,9 @@ class CpuLinear(nn.Module):
         with torch.no_grad():
             self.weight = weight.detach().contiguous()
             self.panels = cpu_kernels.panel_pack(self.weight) if native else None
+            self.coded = (
+                cpu_kernels.coded_pack(self.weight) if native and cpu_kernels.coded_linear_vectorized() else None
+            )
             # NOTE: no batch-size hint: one layout serves every row count (a hint of 1 or 2048 was slower elsewhere).
             self.packed = (
                 None if self.onednn_from is None else torch.ops.mkldnn._reorder_linear_weight(self.weight, None)
@@ -104,10 +126,13 @@ class CpuLinear(nn.Module):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if x.stride(-1) != 1:
             x = x.contiguous()
+        if self.coded is not None and rows < CODED_M:
+            return cpu_kernels.coded_linear(x, self.coded, self.out_features, self.bias)
         return cpu_kernels.panel_linear(x, self.panels, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        coded = "" if self.coded is None else f", coded={self.coded.shape[2]}B/record"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{coded}"
 
 
 def use_cpu_linears(module: nn.Module) -> None:

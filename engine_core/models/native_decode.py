@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from engine_core.attention.backend import AttentionMetadata
-from engine_core.models.cpu_linear import ONEDNN_M
+from engine_core.models.cpu_linear import CODED_M, ONEDNN_M
 from engine_core.models.llama import LlamaForCausalLM
 from kernels import cpu as cpu_kernels
 
@@ -32,6 +32,7 @@ class NativeDecodeStep:
             ],
             weights=[p.weight for p in projections],
             panels=[p.panels for p in projections],
+            coded=[p.coded for p in projections],
             packed=[p.packed for p in projections],
             qkv_biases=[a.qkv_proj.bias for a in attn] if model.qkv_bias else [],
             num_heads=attn[0].num_heads,
@@ -39,6 +40,7 @@ class NativeDecodeStep:
             head_dim=attn[0].head_dim,
             eps=layers[0].input_layernorm.eps,
             scale=attn[0].backend.scale,
+            coded_m=CODED_M,
             onednn_m=ONEDNN_M,
             large_m=projections[0].mkl_from,
         )

@@ -25,6 +25,7 @@ _SOURCES = [
         "prefill_attention.cpp",
         "fused_ops.cpp",
         "panel_linear.cpp",
+        "coded_linear.cpp",
         "decode_step.cpp",
     )
 ]
@@ -163,6 +164,24 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tens
     return out
 
 
+def coded_linear_vectorized() -> bool:
+    """Whether `coded_linear` has its AVX-512 kernel here (the portable one is exact but slower than float32)."""
+    return bool(torch.ops.pagoda_cpu.coded_linear_vectorized())
+
+
+def coded_pack(weight: torch.Tensor) -> torch.Tensor | None:
+    """W `[N, K]` float32 -> `coded_linear`'s records if W is exactly GGUF Q4_1 or Q8_0 blocks decoded (the default
+    model's weights are), else None; once, at load (kernels/cpu/coded_linear.cpp)."""
+    return torch.ops.pagoda_cpu.coded_pack(weight)
+
+
+def coded_linear(x: torch.Tensor, records: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + bias` for x `[M, K]` (rows may be strided) with W `[n, K]` as `coded_pack`'s records."""
+    out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+    torch.ops.pagoda_cpu.coded_linear(out, x, records, bias)
+    return out
+
+
 @dataclass
 class DecodeLayerWeights:
     """What `decode_layers` needs of a Llama-family model, flattened once at load."""
@@ -170,6 +189,7 @@ class DecodeLayerWeights:
     norms: list[torch.Tensor]  # input and post-attention RMSNorm weights, 2 per layer
     weights: list[torch.Tensor]  # qkv, o, gate_up, down projections ([out, in]), 4 per layer
     panels: list[torch.Tensor]  # the same packed by `panel_pack`
+    coded: list[torch.Tensor | None]  # and as `coded_pack` records where the weight has block codes
     packed: list[torch.Tensor]  # and as oneDNN packed tensors
     qkv_biases: list[torch.Tensor]  # one per layer (Qwen2), or empty
     num_heads: int
@@ -177,8 +197,9 @@ class DecodeLayerWeights:
     head_dim: int
     eps: float
     scale: float
-    onednn_m: int  # GEMM row thresholds, as models/cpu_linear.py dispatches: below onednn_m the panel kernel,
-    large_m: int  # from onednn_m oneDNN, from large_m MKL
+    coded_m: int  # GEMM row thresholds, as models/cpu_linear.py dispatches: below coded_m the coded kernel (where
+    onednn_m: int  # the weight has codes), below onednn_m the panel kernel, from onednn_m oneDNN, from large_m MKL
+    large_m: int
 
 
 def decode_layers(
@@ -203,6 +224,7 @@ def decode_layers(
         layers.norms,
         layers.weights,
         layers.panels,
+        layers.coded,
         layers.packed,
         layers.qkv_biases,
         layers.num_heads,
@@ -210,6 +232,7 @@ def decode_layers(
         layers.head_dim,
         layers.eps,
         layers.scale,
+        layers.coded_m,
         layers.onednn_m,
         layers.large_m,
     )

@@ -17,6 +17,16 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
                       int64_t head_dim);
 at::Tensor panel_pack(const at::Tensor& weight);
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records,
+                  const c10::optional<at::Tensor>& bias);
+
+// A projection's optional bias of n outputs, checked, as a pointer (nullptr for none); `op` names the caller.
+inline const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, const char* op) {
+  if (!bias.has_value()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, op,
+              ": bias must be a contiguous float32 vector of the output size");
+  return bias->data_ptr<float>();
+}
 
 // a . b over n floats (the portable path; vectorised by `omp simd` without reassociating anything else).
 inline float dot(const float* a, const float* b, int64_t n) {

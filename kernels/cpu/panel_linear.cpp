@@ -275,12 +275,7 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   TORCH_CHECK(packed.size(1) == K && out.size(0) == M && (N + kNr - 1) / kNr == P,
               "panel_linear: shapes do not match");
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr<float>()) % 32 == 0, "panel_linear: packed not aligned");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "panel_linear: bias must be a contiguous float32 vector of the output size");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_data(bias, N, "panel_linear");
   if (M == 0 || N == 0) return;
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();

@@ -1,0 +1,254 @@
+// y = x @ W^T (+ b) for a few rows, with W read in its block-coded form: 4 or 8 bits per weight instead of 32.
+//
+// Why: at 1-8 rows a projection is bound by the memory stream of W (30 GB/s here: SmolLM2's 425 MB of float32
+// layer weights take ~14 ms per decode step). A GGUF model's float32 weights are exactly its quantization blocks
+// decoded (Q4_1: w = d * q + m, q in 0..15; Q8_0: w = d * q, q in -128..127; 32 weights per block, d and m f16
+// values), so the same float32 weights can be stored as codes and decoded on the fly, bit for bit: d * q is exact in
+// float32 (an 11-bit mantissa times at most 8 bits), so fma(d, q, m) rounds once, as the decoding did.
+//
+// coded_pack finds the codes from the float32 weights alone (no GGUF reader, no name mapping): in a Q4_1 block the
+// smallest weight has q = 0 and the largest q = 15, so m = min and d = f16((max - min) / 15); in a Q8_0 block the
+// largest magnitude has |q| = 127, so d = f16(max |w| / 127). It accepts codes only if decoding reproduces every
+// weight exactly, and returns no records otherwise (bf16, fp16 or trained float32 weights keep the panel kernel).
+//
+// Layout (`records`, uint8 [ceil(N/16), K/32, R]): the panel of 16 output columns of panel_linear.cpp, cut into
+// blocks of 32 k; each (panel, block) is one record: d[16] float32, m[16] float32, then the codes, one byte per
+// column per k (8 bits, R = 640) or per pair of k (4 bits: low nibble k, high nibble k + 1; R = 384); R tells
+// the kernel which.
+//
+// Determinism: every output is the same sequential FMA chain over k as panel_linear's (fma(x[k], w[k], acc) from
+// 0, then + bias) on the same float32 weights, so the two kernels give identical bits (tests/test_coded_linear.py).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+
+#include "ops.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kCols = 16;   // columns per panel
+constexpr int64_t kBlock = 32;  // k per record
+constexpr int64_t kScales = 2 * kCols * static_cast<int64_t>(sizeof(float));  // d[16] and m[16]
+constexpr int kMaxRows = 8;     // rows per micro-kernel call
+
+constexpr int64_t record_bytes(int64_t bits) { return kScales + kBlock * kCols * bits / 8; }
+
+#if defined(__AVX512F__)
+#define CODED_ROW(r, w, kk)                                                  \
+  if constexpr (MR > r) {                                                    \
+    c##r = _mm512_fmadd_ps(_mm512_set1_ps(a##r[kk]), w, c##r);              \
+  }
+#define CODED_ROWS(w, kk)                                                    \
+  CODED_ROW(0, w, kk) CODED_ROW(1, w, kk) CODED_ROW(2, w, kk) CODED_ROW(3, w, kk) CODED_ROW(4, w, kk) \
+  CODED_ROW(5, w, kk) CODED_ROW(6, w, kk) CODED_ROW(7, w, kk)
+#define CODED_STORE(r)                                                       \
+  if constexpr (MR > r) {                                                    \
+    _mm512_storeu_ps(c + r * ldc, _mm512_add_ps(c##r, bias_v));              \
+  }
+
+// c[r][0..15] = sum_k a[r][k] * W[k][0..15] (+ bias) for MR rows, W decoded from one panel's records.
+template <int MR, int BITS>
+void micro(const float* a, int64_t lda, const uint8_t* rec, int64_t K, const float* bias, float* c, int64_t ldc) {
+  __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
+  const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda, *a4 = a + 4 * lda, *a5 = a + 5 * lda;
+  const float *a6 = a + 6 * lda, *a7 = a + 7 * lda;
+  const __m512i low = _mm512_set1_epi32(0xF);
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock, rec += record_bytes(BITS)) {
+    const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(rec));
+    const __m512 m = _mm512_load_ps(reinterpret_cast<const float*>(rec) + kCols);
+    const uint8_t* codes = rec + kScales;
+    if constexpr (BITS == 4) {
+      for (int64_t i = 0; i < kBlock / 2; ++i) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + i * kCols)));
+        const __m512 w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(v, low)), m);
+        const __m512 w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), m);
+        const int64_t k = k0 + 2 * i;
+        CODED_ROWS(w0, k)
+        CODED_ROWS(w1, k + 1)
+      }
+    } else {
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const __m512i v = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + i * kCols)));
+        const __m512 w = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(v), m);
+        const int64_t k = k0 + i;
+        CODED_ROWS(w, k)
+      }
+    }
+  }
+  const __m512 bias_v = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  CODED_STORE(0) CODED_STORE(1) CODED_STORE(2) CODED_STORE(3) CODED_STORE(4) CODED_STORE(5) CODED_STORE(6)
+  CODED_STORE(7)
+}
+#undef CODED_ROW
+#undef CODED_ROWS
+#undef CODED_STORE
+constexpr bool kVectorized = true;
+#else
+// The portable kernel: the same per-output order and the same decoded weights, without explicit FMAs (as
+// panel_linear's portable kernel).
+template <int MR, int BITS>
+void micro(const float* a, int64_t lda, const uint8_t* rec, int64_t K, const float* bias, float* c, int64_t ldc) {
+  float acc[MR][kCols] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock, rec += record_bytes(BITS)) {
+    const float* d = reinterpret_cast<const float*>(rec);
+    const float* m = d + kCols;
+    const uint8_t* codes = rec + kScales;
+    for (int64_t kk = 0; kk < kBlock; ++kk) {
+      for (int64_t j = 0; j < kCols; ++j) {
+        const int q = BITS == 4 ? (codes[(kk / 2) * kCols + j] >> (4 * (kk % 2))) & 0xF
+                                : static_cast<int8_t>(codes[kk * kCols + j]);
+        const float w = std::fma(d[j], static_cast<float>(q), m[j]);
+        for (int r = 0; r < MR; ++r) acc[r][j] += a[r * lda + k0 + kk] * w;
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t j = 0; j < kCols; ++j) c[r * ldc + j] = acc[r][j] + (bias != nullptr ? bias[j] : 0.0f);
+  }
+}
+constexpr bool kVectorized = false;
+#endif
+
+using Micro = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
+template <int BITS>
+constexpr Micro kMicro[kMaxRows + 1] = {nullptr,          micro<1, BITS>, micro<2, BITS>, micro<3, BITS>,
+                                        micro<4, BITS>,   micro<5, BITS>, micro<6, BITS>, micro<7, BITS>,
+                                        micro<8, BITS>};
+
+// One block of 32 weights of output column j into its record; false where the block is not exactly BITS codes.
+template <int BITS>
+bool encode_block(const float* w, uint8_t* rec, int64_t j) {
+  float lo = w[0], hi = w[0];
+  for (int64_t i = 1; i < kBlock; ++i) {
+    lo = std::min(lo, w[i]);
+    hi = std::max(hi, w[i]);
+  }
+  const float m = BITS == 4 ? lo : 0.0f;
+  const float d = static_cast<float>(c10::Half(BITS == 4 ? (hi - lo) / 15.0f : std::max(hi, -lo) / 127.0f));
+  uint8_t* codes = rec + kScales;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const float q = d > 0.0f ? std::clamp(std::nearbyint((w[i] - m) / d), BITS == 4 ? 0.0f : -128.0f,
+                                          BITS == 4 ? 15.0f : 127.0f)
+                             : 0.0f;
+    if (d * q + m != w[i]) return false;  // d * q is exact, so this is the kernel's fma(d, q, m)
+    if constexpr (BITS == 4) {
+      codes[(i / 2) * kCols + j] |= static_cast<uint8_t>(q) << (4 * (i % 2));
+    } else {
+      codes[i * kCols + j] = static_cast<uint8_t>(static_cast<int8_t>(q));
+    }
+  }
+  reinterpret_cast<float*>(rec)[j] = d;
+  reinterpret_cast<float*>(rec)[kCols + j] = m;
+  return true;
+}
+
+template <int BITS>
+at::Tensor encode(const at::Tensor& w) {
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kCols - 1) / kCols, B = K / kBlock;
+  at::Tensor records = at::zeros({P, B, record_bytes(BITS)}, w.options().dtype(at::kByte));  // zero: padded columns
+  const float* wp = w.data_ptr<float>();
+  uint8_t* rp = records.data_ptr<uint8_t>();
+  std::atomic<bool> exact{true};
+  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end && exact.load(std::memory_order_relaxed); ++p) {
+      for (int64_t j = 0; j < kCols && p * kCols + j < N; ++j) {
+        for (int64_t b = 0; b < B; ++b) {
+          if (!encode_block<BITS>(wp + (p * kCols + j) * K + b * kBlock, rp + (p * B + b) * record_bytes(BITS), j)) {
+            exact.store(false, std::memory_order_relaxed);
+            return;
+          }
+        }
+      }
+    }
+  });
+  return exact.load() ? records : at::Tensor();
+}
+
+}  // namespace
+
+namespace pagoda {
+
+// W [N, K] float32 -> records [ceil(N/16), K/32, R] (4 bits tried first, then 8), or none where W is not exactly
+// either.
+c10::optional<at::Tensor> coded_pack(const at::Tensor& weight) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "coded_pack: weight must be float32 [N, K]");
+  if (weight.size(1) % kBlock != 0 || weight.size(0) == 0) return c10::nullopt;
+  const at::Tensor w = weight.contiguous();
+  at::Tensor records = encode<4>(w);
+  if (!records.defined()) records = encode<8>(w);
+  return records.defined() ? c10::optional<at::Tensor>(records) : c10::nullopt;
+}
+
+void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records,
+                  const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(records.dim() == 3 && (records.size(2) == record_bytes(4) || records.size(2) == record_bytes(8)),
+              "coded_linear: records must be [P, K/32, ", record_bytes(4), " or ", record_bytes(8), "]");
+  const int64_t bits = records.size(2) == record_bytes(4) ? 4 : 8;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && records.scalar_type() == at::kByte,
+              "coded_linear: float32 x and out, uint8 records");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.is_contiguous(),
+              "coded_linear: x [M, K] with contiguous rows, out [M, N] contiguous");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(records.is_contiguous() && records.size(0) == (N + kCols - 1) / kCols && records.size(1) * kBlock == K &&
+                  out.size(0) == M,
+              "coded_linear: records must be [ceil(N/16), K/32, R] for x [M, K], out [M, N]");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(records.data_ptr<uint8_t>()) % 64 == 0, "coded_linear: records not aligned");
+  const float* b = bias_data(bias, N, "coded_linear");
+  if (M == 0 || N == 0) return;
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* rp = records.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), P = records.size(0), panel_bytes = (K / kBlock) * record_bytes(bits);
+  const Micro* micros = bits == 4 ? kMicro<4> : kMicro<8>;
+  // Row blocks as even as possible; every block decodes the panel again, so the caller keeps this kernel to the
+  // few rows where decoding is cheaper than streaming float32 weights (models/cpu_linear.py, CODED_BELOW).
+  const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, base = M / blocks, extra = M % blocks;
+  at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) {
+    float tmp[kMaxRows * kCols];
+    float bias_tail[kCols];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t n0 = p * kCols, cols = std::min(kCols, N - n0);
+      const float* pb = b != nullptr ? b + n0 : nullptr;
+      if (pb != nullptr && cols < kCols) {
+        std::fill(bias_tail, bias_tail + kCols, 0.0f);
+        std::copy(pb, pb + cols, bias_tail);
+        pb = bias_tail;
+      }
+      for (int64_t i = 0, r = 0; i < blocks; ++i) {
+        const int64_t mr = base + (i < extra ? 1 : 0);
+        if (cols == kCols) {
+          micros[mr](xp + r * ldx, ldx, rp + p * panel_bytes, K, pb, op + r * N + n0, N);
+        } else {  // the last, partial panel: computed into a buffer, its padded columns dropped
+          micros[mr](xp + r * ldx, ldx, rp + p * panel_bytes, K, pb, tmp, kCols);
+          for (int64_t q = 0; q < mr; ++q) std::copy(tmp + q * kCols, tmp + q * kCols + cols, op + (r + q) * N + n0);
+        }
+        r += mr;
+      }
+    }
+  });
+}
+
+bool coded_linear_vectorized() { return kVectorized; }
+
+}  // namespace pagoda
+
+TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
+  m.def("coded_linear(Tensor(a!) out, Tensor x, Tensor records, Tensor? bias) -> ()");
+  m.def("coded_pack(Tensor weight) -> Tensor?");
+  m.def("coded_linear_vectorized() -> bool", &pagoda::coded_linear_vectorized);
+}
+
+TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
+  m.impl("coded_pack", &pagoda::coded_pack);
+  m.impl("coded_linear", &pagoda::coded_linear);
+}

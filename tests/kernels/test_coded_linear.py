@@ -1,0 +1,117 @@
+"""Block-coded weights: found exactly in GGUF-decoded float32 weights by `coded_pack`, and read by `coded_linear`
+with the panel kernel's bits (kernels/cpu/coded_linear.cpp)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_core.models.cpu_linear import CODED_M, CpuLinear
+from kernels import cpu as cpu_kernels
+from kernels.reference import ref_gguf_decoded as gguf_decoded
+
+BLOCK = 32
+BITS = {384: 4, 640: 8}  # record bytes -> bits per code
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ toolchain for the native CPU kernels")
+
+
+def decoded(records: torch.Tensor, n: int) -> torch.Tensor:
+    """The float32 weights `[n, K]` that records hold (the identity through `coded_linear`)."""
+    k = records.shape[1] * BLOCK
+    return cpu_kernels.coded_linear(torch.eye(k), records, n, None).T.contiguous()
+
+
+@pytest.mark.parametrize(("kind", "bits"), [("q4_1", 4), ("q8_0", 8)])
+def test_codes_are_found_and_decode_to_the_same_weights(kind: str, bits: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(70, 192, generator=g) * 0.05
+    w[3, 32:64] = 0.25  # a constant block
+    w[4, 64:96] = 0.0  # scale 0
+    w = gguf_decoded(w, kind)
+    records = cpu_kernels.coded_pack(w)
+    assert records is not None and BITS[records.shape[2]] == bits
+    assert records.shape[:2] == (5, 6)  # ceil(70 / 16) panels, 192 / 32 blocks
+    assert torch.equal(decoded(records, 70), w)
+
+
+def test_weights_that_are_not_codes_are_left_alone() -> None:
+    g = torch.Generator().manual_seed(2)
+    assert cpu_kernels.coded_pack(torch.randn(16, 64, generator=g)) is None  # training weights
+    assert cpu_kernels.coded_pack(torch.randn(16, 64, generator=g).bfloat16().float()) is None
+    assert cpu_kernels.coded_pack(torch.randn(16, 48, generator=g)) is None  # K not a multiple of 32
+    w = gguf_decoded(torch.randn(16, 64, generator=g), "q4_1")
+    assert cpu_kernels.coded_pack(w) is not None
+    w[5, 7] = torch.nextafter(w[5, 7], torch.tensor(1.0))  # one weight off by one ulp
+    assert cpu_kernels.coded_pack(w) is None
+    w[5, 7] = float("nan")
+    assert cpu_kernels.coded_pack(w) is None
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 31])
+@pytest.mark.parametrize(("n", "with_bias"), [(96, False), (50, True)])
+def test_coded_linear_gives_the_panel_kernels_bits(kind: str, rows: int, n: int, with_bias: bool) -> None:
+    """Every row-block height (1..8), a partial last panel (N % 16 != 0), with and without a bias."""
+    g = torch.Generator().manual_seed(rows)
+    w = gguf_decoded(torch.randn(n, 576, generator=g) * 0.05, kind)
+    b = torch.randn(n, generator=g) if with_bias else None
+    records = cpu_kernels.coded_pack(w)
+    assert records is not None
+    x = torch.randn(rows, 576, generator=g)
+    got = cpu_kernels.coded_linear(x, records, n, b)
+    assert torch.equal(got, cpu_kernels.panel_linear(x, cpu_kernels.panel_pack(w), n, b))
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_coded_linear_takes_strided_rows_and_any_thread_count() -> None:
+    w = gguf_decoded(torch.randn(40, 64) * 0.1, "q4_1")
+    records = cpu_kernels.coded_pack(w)
+    assert records is not None
+    x = torch.randn(5, 200)[:, 8:72]  # row stride 200, as a projection's output view gives it
+    want = cpu_kernels.coded_linear(x.contiguous(), records, 40, None)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(cpu_kernels.coded_linear(x, records, 40, None), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_coded_linear_rejects_records_of_another_shape() -> None:
+    w = gguf_decoded(torch.randn(40, 64), "q8_0")
+    records = cpu_kernels.coded_pack(w)
+    assert records is not None
+    with pytest.raises(RuntimeError, match="coded_linear: records must be"):
+        cpu_kernels.coded_linear(torch.randn(2, 96), records, 40, None)
+    with pytest.raises(RuntimeError, match="coded_linear: records must be"):
+        cpu_kernels.coded_linear(torch.randn(2, 64), records[:, :, :100].contiguous(), 40, None)
+
+
+@pytest.mark.skipif(not cpu_kernels.coded_linear_vectorized(), reason="CpuLinear uses codes only with AVX-512")
+@pytest.mark.parametrize("rows", [1, CODED_M - 1, CODED_M, 200])
+def test_cpu_linear_reads_codes_below_coded_m_with_the_same_bits(rows: int) -> None:
+    w, b = gguf_decoded(torch.randn(96, 64) * 0.1, "q4_1"), torch.randn(96)
+    layer = CpuLinear(w, b)
+    assert layer.coded is not None
+    x = torch.randn(rows, 64)
+    if rows < CODED_M:
+        assert torch.equal(layer(x), cpu_kernels.panel_linear(x, layer.panels, 96, b))
+    torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    assert CpuLinear(torch.randn(96, 64), b).coded is None
+
+
+@pytest.mark.slow
+def test_the_default_models_projections_all_have_codes(smollm2_dir: str) -> None:
+    """The default GGUF (Q4_1 layers, Q8_0 tied embedding) takes the coded kernel everywhere below CODED_M."""
+    from engine_core.model_loader import iter_weights
+
+    records = {name: cpu_kernels.coded_pack(t) for name, t in iter_weights(smollm2_dir) if t.dim() == 2}
+    bits = {name: None if r is None else BITS[r.shape[2]] for name, r in records.items()}
+    assert bits.pop("model.embed_tokens.weight") == 8
+    assert len(bits) == 7 * 30 and set(bits.values()) == {4}, Path(smollm2_dir).name
