@@ -56,11 +56,14 @@ def timed(fn: Callable[[], object], min_seconds: float = 0.5) -> float:
 
 def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
     from kernels import cpu as cpu_kernels
+    from kernels.reference import ref_gguf_decoded
 
     torch.manual_seed(0)
-    plain = [[_gguf_like(o, i, 4) for i, o in LAYER_SHAPES] for _ in range(LAYERS)]
+    # NOTE: GGUF-decoded random weights (Q4_1 layers, Q8_0 LM head, as the default model's), so that every kernel,
+    # the coded one included, runs the same values
+    plain = [[ref_gguf_decoded(torch.randn(o, i) * 0.02, "q4_1") for i, o in LAYER_SHAPES] for _ in range(LAYERS)]
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in plain]
-    lm = _gguf_like(VOCAB, 576, 8)
+    lm = ref_gguf_decoded(torch.randn(VOCAB, 576) * 0.02, "q8_0")
     lm_packed = torch.ops.mkldnn._reorder_linear_weight(lm, None)
     panels = [[(cpu_kernels.panel_pack(w), w.shape[0]) for w in ws] for ws in plain]
     lm_panels = (cpu_kernels.panel_pack(lm), VOCAB)
@@ -101,13 +104,6 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
         print(f"{m:>5} " + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells), flush=True)
         rows_out.append(row)
     return rows_out
-
-
-def _gguf_like(n: int, k: int, bits: int) -> torch.Tensor:
-    """Random weights ~0.02 in magnitude, GGUF-quantized and decoded (Q4_1 for 4 bits, Q8_0 for 8)."""
-    from kernels.reference import ref_gguf_decoded
-
-    return ref_gguf_decoded(torch.randn(n, k) * 0.02, "q4_1" if bits == 4 else "q8_0")
 
 
 # One layer of SmolLM2-135M's attention over a paged cache of ATTN_POOL blocks (both attention benches).

@@ -29,14 +29,13 @@ at::Tensor project(const Gemms& g, const at::Tensor& x, const at::Tensor& w, con
                    const c10::optional<at::Tensor>& coded, const at::Tensor& packed,
                    const c10::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0);
-  if (rows < g.coded_m && coded.has_value()) {
+  if (rows < g.onednn_m) {  // NOTE: the codes only replace the panels, as in CpuLinear.forward
     at::Tensor out = at::empty({rows, w.size(0)}, x.options());
-    pagoda::coded_linear(out, x, *coded, bias);
-    return out;
-  }
-  if (rows < g.onednn_m) {
-    at::Tensor out = at::empty({rows, w.size(0)}, x.options());
-    pagoda::panel_linear(out, x, panels, bias);
+    if (rows < g.coded_m && coded.has_value()) {
+      pagoda::coded_linear(out, x, *coded, bias);
+    } else {
+      pagoda::panel_linear(out, x, panels, bias);
+    }
     return out;
   }
   if (rows >= g.large_m) return at::linear(x, w, bias);
