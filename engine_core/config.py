@@ -52,6 +52,9 @@ class EngineConfig:
     max_num_batched_tokens: int = _opt(2048, "tokens per step")
     max_num_seqs: int = _opt(128, "sequences per step (rows of the worker's persistent batch)")
     scheduling_policy: str = _opt("fcfs", "fcfs | priority")
+    # NOTE: only executors that can run a step while the scheduler goes on (remote workers) use it; offline LLM runs
+    # the model on the scheduler's own thread.
+    async_scheduling: bool = _opt(True, "plan step N+1 while the workers run step N (remote workers)")
     # Model execution
     attention_backend: str | None = _opt(None, "cpu | torch | triton (default: by device)")
     enforce_eager: bool = _opt(False, "no CUDA graphs: decode steps launch every kernel (CUDA + triton backend only)")

@@ -3,10 +3,16 @@
 Its methods are the whole surface the services and the offline `LLM` use: add/abort/finish a request, `step`,
 `check_request` (thread-safe: it reads only frozen limits), `has_request`, `stats`. Nobody outside reaches into
 `core.scheduler` or the KV cache.
+
+With a `PipelinedExecutor` and `async_scheduling`, `step` submits step N+1 before it waits for step N, so the hops to
+the workers and the scheduler's own work overlap the model (vLLM's async scheduling); `step` still returns the
+outputs of one step at a time, in order.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Protocol
 
 import structlog
@@ -26,15 +32,32 @@ class Executor(Protocol):
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+class StepHandle(Protocol):
+    def result(self) -> ModelRunnerOutput:
+        """Waits for the step; raises what executing it raised."""
+        ...
+
+
+class PipelinedExecutor(Executor, Protocol):
+    """An executor that runs submitted steps in order while the caller goes on (remote workers)."""
+
+    def submit(self, plan: SchedulerOutput) -> StepHandle: ...
+
+
 class EngineCore:
     """Transport-free: `add_request`, `step`, `abort`, `finish_choice`. The scheduler service wraps exactly this.
 
     Not thread-safe, except `check_request` and `limits` (frozen at construction).
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor, max_model_len: int, num_blocks: int) -> None:
+    def __init__(
+        self, config: EngineConfig, executor: Executor | PipelinedExecutor, max_model_len: int, num_blocks: int
+    ) -> None:
         self.config = config
         self.executor = executor
+        submit = getattr(executor, "submit", None)
+        self._submit: Callable[[SchedulerOutput], StepHandle] | None = submit if config.async_scheduling else None
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # submitted, its outputs not returned yet
         capacity = num_blocks * config.block_size
         if capacity < max_model_len:
             # NOTE: a sequence longer than the whole cache could never be scheduled again after a preemption.
@@ -95,14 +118,39 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._in_flight is not None
 
     def step(self) -> list[SeqOutput]:
-        plan = self.scheduler.schedule()
-        if plan.is_empty and not plan.finished_seq_ids and not plan.copy_blocks:
-            return []
-        result = self.executor.execute(plan)
+        """Runs one step and returns its outputs. Pipelined: the step in flight is the one returned, and the next
+        one is submitted before waiting for it, when it can be planned without its results."""
+        submit = self._submit
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            plan = self.scheduler.schedule()
+            if plan.is_empty and not plan.finished_seq_ids and not plan.copy_blocks:
+                return []
+            if submit is None:
+                return self.process(plan, self.executor.execute(plan))
+            in_flight = (plan, submit(plan))
+        assert submit is not None, "only a pipelined core has a step in flight"
+        plan, handle = in_flight
+        try:
+            ahead = self.scheduler.schedule_ahead()
+            if ahead is not None:
+                self._in_flight = (ahead, submit(ahead))
+            result = handle.result()
+        except BaseException:
+            self._drain()
+            raise
         return self.process(plan, result)
+
+    def _drain(self) -> None:
+        """After a failed step: waits out the step submitted behind it (it fails too, or runs on a cache that the
+        caller is about to reset), so no reply of the old engine arrives later."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            with contextlib.suppress(Exception):
+                in_flight[1].result()
 
     def process(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[SeqOutput]:
         """Applies a step's results to the scheduler and turns them into per-sequence outputs."""

@@ -64,9 +64,11 @@ class KVCacheManager:
         self.stats.hits += min(len(hit) * self.block_size, seq.num_prompt_tokens)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[KVBlock] | None = None) -> bool:
-        return self._blocks_needed(seq, num_new_tokens, prefix or []) <= self._available(prefix or [])
+        return self.blocks_needed(seq, num_new_tokens, prefix or []) <= self._available(prefix or [])
 
-    def _blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: list[KVBlock]) -> int:
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: list[KVBlock] | None = None) -> int:
+        """New blocks `allocate` would take for `num_new_tokens` more tokens (after `prefix`)."""
+        prefix = prefix or []
         held = len(self.tables.get(seq.seq_id, ())) + len(prefix)
         computed = seq.num_computed_tokens + len(prefix) * self.block_size
         return max(0, -(-(computed + num_new_tokens) // self.block_size) - held)
@@ -81,7 +83,7 @@ class KVCacheManager:
         Returns the ids of every block appended to the table (prefix then new), or None when the pool is short.
         """
         prefix = prefix or []
-        needed = self._blocks_needed(seq, num_new_tokens, prefix)
+        needed = self.blocks_needed(seq, num_new_tokens, prefix)
         if needed > self._available(prefix):
             return None
         table = self.tables.setdefault(seq.seq_id, [])

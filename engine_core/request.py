@@ -99,6 +99,8 @@ class Sequence:
     stop_reason: int | str | None = None
     # An unforked parent of an n > 1 request stops its prefill one token short, then forks (Scheduler._fork).
     pending_fork: bool = False
+    # Tokens that steps in flight will sample (not known yet): 1 while its step runs, 2 with a step scheduled ahead.
+    num_pending: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -114,8 +116,9 @@ class Sequence:
 
     @property
     def target_tokens(self) -> int:
-        """How many tokens this sequence wants computed before it can sample (or fork)."""
-        return self.num_prompt_tokens - 1 if self.pending_fork else self.num_tokens
+        """How many tokens this sequence wants computed before it can sample (or fork); a token that a step in
+        flight samples counts, so a step scheduled ahead decodes it (the worker holds its value)."""
+        return self.num_prompt_tokens - 1 if self.pending_fork else self.num_tokens + self.num_pending
 
     @property
     def is_finished(self) -> bool:

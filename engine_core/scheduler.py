@@ -3,6 +3,9 @@
 There are no prefill/decode phases (as in vLLM V1): every sequence has `num_computed_tokens` and a target, and each
 step closes the gap for as many sequences as the token budget and `max_num_seqs` allow. Running sequences go first;
 waiting ones are admitted only if nobody was preempted this step.
+
+`schedule_ahead` plans step N+1 while step N runs (async scheduling, for remote workers): a token that step N samples
+is counted in `Sequence.num_pending`, and step N+1 decodes it without knowing it (the worker holds its value).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
+        seq.num_pending = 0  # a step in flight may still sample it: `update` drops that
         self.kv.free(seq)
         self._forget(seq)
         request = seq.request
@@ -144,6 +148,52 @@ class Scheduler:
             budget = self._admit(budget, scheduled, new_blocks)
 
         return self._build_output(out, scheduled, new_blocks)
+
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """The next step's plan while one step is in flight, or None when it needs that step's results first.
+
+        A sequence the step in flight samples decodes that token next; one that certainly finishes with it (max_tokens,
+        max_model_len) is left out, and one that stops on a sampled token computes one step in vain, whose result
+        `update` drops. None (the caller waits, then calls `schedule`) when nothing would run, when a parent must fork
+        (n > 1), or when the pool cannot hold every running sequence's next tokens: a preempted sequence would
+        have to recompute a token nobody knows yet.
+        """
+        if any(s.pending_fork for s in self.running):
+            return None
+        self.running.sort(key=self._key)
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Sequence, int]] = []
+        blocks = 0
+        for seq in self.running:
+            if budget <= 0:
+                break
+            num_new = min(seq.target_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0 or self._finishes_in_flight(seq):
+                continue
+            chosen.append((seq, num_new))
+            blocks += self.kv.blocks_needed(seq, num_new)
+            budget -= num_new
+        if blocks > self.kv.num_free_blocks:
+            return None
+        scheduled: dict[int, int] = {}
+        new_blocks: dict[int, list[int]] = {}
+        for seq, num_new in chosen:
+            ids = self.kv.allocate(seq, num_new)
+            assert ids is not None, "blocks were counted above"
+            scheduled[seq.seq_id], new_blocks[seq.seq_id] = num_new, ids
+        self._admit(budget, scheduled, new_blocks)
+        if not scheduled:
+            return None  # NOTE: before _build_output, which would take the ids the worker must still be told to drop
+        return self._build_output(SchedulerOutput(), scheduled, new_blocks)
+
+    def _finishes_in_flight(self, seq: Sequence) -> bool:
+        """Whether the token a step in flight samples ends the sequence by length, whatever its value."""
+        if not seq.num_pending:
+            return False
+        max_tokens = seq.request.sampling_params.max_tokens
+        if max_tokens is not None and seq.num_output_tokens + seq.num_pending >= max_tokens:
+            return True
+        return seq.num_tokens + seq.num_pending >= self.max_model_len
 
     def _admit(self, budget: int, scheduled: dict[int, int], new_blocks: dict[int, list[int]]) -> int:
         self.waiting.sort(key=self._key)
@@ -223,6 +273,7 @@ class Scheduler:
         self._forget(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.num_pending = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.request.timings.events.append(
@@ -263,6 +314,8 @@ class Scheduler:
                 )
             out.num_scheduled_tokens[seq.seq_id] = n
             seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens + seq.num_pending:
+                seq.num_pending += 1  # this step reaches the end of its tokens, so the worker samples it
             self.kv.cache_computed_blocks(seq)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         return out
@@ -275,7 +328,8 @@ class Scheduler:
         for row, (seq_id, token) in enumerate(zip(runner_out.seq_ids, runner_out.sampled_token_ids, strict=True)):
             seq = self.seqs.get(seq_id)
             if seq is None or seq.is_finished or seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+                continue  # aborted or preempted while the step ran, or stopped in the step before
+            seq.num_pending -= 1
             seq.token_ids.append(token)
             if seq.request.timings.first_token is None:
                 seq.request.timings.first_token = now

@@ -24,7 +24,8 @@ WORKER_FIELDS = (
 )  # fmt: skip
 # What shapes continuous batching (the worker's --max-num-seqs must be at least the scheduler's).
 SCHEDULER_FIELDS = (
-    "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "enable_prefix_caching", "num_kv_blocks",
+    "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "async_scheduling", "enable_prefix_caching",
+    "num_kv_blocks",
 )  # fmt: skip
 
 _FIELDS: dict[str, Field[Any]] = {f.name: f for f in fields(EngineConfig)}

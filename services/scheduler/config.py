@@ -20,6 +20,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     scheduling_policy: str
+    async_scheduling: bool
     enable_prefix_caching: bool
     num_kv_blocks: int | None
     max_waiting_requests: int  # beyond this, Submit answers RESOURCE_EXHAUSTED
@@ -70,6 +71,7 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         scheduling_policy=a.scheduling_policy,
+        async_scheduling=a.async_scheduling,
         enable_prefix_caching=a.enable_prefix_caching,
         num_kv_blocks=a.num_kv_blocks,
         max_waiting_requests=a.max_waiting_requests,

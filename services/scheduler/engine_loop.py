@@ -180,6 +180,7 @@ class EngineLoop:
             max_num_seqs=self.config.max_num_seqs,
             max_num_batched_tokens=self.config.max_num_batched_tokens,
             scheduling_policy=self.config.scheduling_policy,
+            async_scheduling=self.config.async_scheduling,
             enable_prefix_caching=self.config.enable_prefix_caching,
             num_kv_blocks=num_blocks,
         )

@@ -62,6 +62,29 @@ class StepDeadline:
         return max(timeout, WARMUP_STEP_TIMEOUT_S) if step < WARMUP_STEPS else timeout
 
 
+class RemoteStep:
+    """A step sent to the workers: `result` waits for every rank and returns rank 0's samples."""
+
+    def __init__(self, executor: RemoteExecutor, futures: list[grpc.Future], span: Span | None, own_s: float) -> None:
+        self._executor = executor
+        self._futures = futures
+        self._span = span
+        self.own_s = own_s  # its deadline without the wait for a step ahead of it
+        self.done = False
+
+    def result(self) -> ModelRunnerOutput:
+        try:
+            for f in self._futures[1:]:
+                f.result()
+            resp = self._futures[0].result()
+        finally:
+            self.done = True
+            if self._span is not None:
+                self._span.end()
+        self._executor.last_worker_s = resp.execute_s
+        return result_from_proto(resp)
+
+
 class RemoteExecutor:
     def __init__(self, addrs: list[str], deadline: StepDeadline, tls: TlsFiles | None = None) -> None:
         self.addrs = addrs
@@ -72,6 +95,7 @@ class RemoteExecutor:
         self.epoch = ""
         self.step = 0
         self.last_worker_s = 0.0  # the worker's own time on the last step (the rest is transport)
+        self._last: RemoteStep | None = None  # the last step sent
         self.step_tracer: StepTracer | None = None  # detailed traces only
         self.step_metrics: StepMetrics | None = None
 
@@ -110,36 +134,36 @@ class RemoteExecutor:
             stub.InitCache(req, timeout=120.0)
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        return self.submit(plan).result()
+
+    def submit(self, plan: SchedulerOutput) -> RemoteStep:
+        """Sends the step to every rank and returns at once; the workers run steps in the order they were sent."""
         span = self.step_tracer.start(plan, self.step) if self.step_tracer is not None else None
         if self.step_metrics is not None:
             self.step_metrics.observe(plan.total_num_scheduled_tokens)
         try:
-            return self._execute(plan, span)
-        finally:
+            req = plan_to_proto(plan, epoch=self.epoch, step=self.step)
+            own_s = self.deadline.for_step(self.step, plan.total_num_scheduled_tokens)
+            # NOTE: a step sent while another runs waits for it on the worker: it also gets that one's own time.
+            last = self._last
+            timeout = own_s + (last.own_s if last is not None and not last.done else 0.0)
+            self.step += 1
+            req.return_samples = True
             if span is not None:
-                span.end()
-
-    def _execute(self, plan: SchedulerOutput, span: Span | None) -> ModelRunnerOutput:
-        req = plan_to_proto(plan, epoch=self.epoch, step=self.step)
-        timeout = self.deadline.for_step(self.step, plan.total_num_scheduled_tokens)
-        self.step += 1
-        req.return_samples = True
-        if span is not None:
-            req.trace.CopyFrom(TraceContext.of_span(span).to_proto())
-        if len(self._stubs) == 1:
-            resp = self._stubs[0].Execute(req, timeout=timeout)
-        else:
-            # NOTE: futures: the ranks run concurrently; the step is as slow as the slowest rank.
+                req.trace.CopyFrom(TraceContext.of_span(span).to_proto())
             others = worker_pb2.ExecuteRequest()
-            others.CopyFrom(req)
-            others.return_samples = False
+            if len(self._stubs) > 1:
+                others.CopyFrom(req)
+                others.return_samples = False
+            # NOTE: futures: the ranks run concurrently; the step is as slow as the slowest rank.
             futures = [self._stubs[0].Execute.future(req, timeout=timeout)]
             futures += [s.Execute.future(others, timeout=timeout) for s in self._stubs[1:]]
-            for f in futures[1:]:
-                f.result()
-            resp = futures[0].result()
-        self.last_worker_s = resp.execute_s
-        return result_from_proto(resp)
+        except BaseException:
+            if span is not None:
+                span.end()
+            raise
+        self._last = RemoteStep(self, futures, span, own_s)
+        return self._last
 
     def heartbeat(self, timeout: float) -> str | None:
         """None when every rank answers on our epoch; else what is wrong (dead, hung, restarted or reset)."""

@@ -3,11 +3,14 @@
 The server starts first (health NOT_SERVING), then loads the model in a thread, then reports SERVING. Steps run on
 a single dedicated thread, in order: the runner's persistent batch is only valid if no step is skipped, so a step
 out of sequence or for another cache epoch is refused with FAILED_PRECONDITION (the scheduler then re-initializes).
+With async scheduling the next step arrives while one runs; one that overtakes its predecessor on the way waits
+for it (`ORDER_WAIT_S`) before it is queued.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -33,6 +36,8 @@ from services.worker.tracing import record_execute
 
 log = structlog.get_logger(__name__)
 
+ORDER_WAIT_S = 5.0  # how long a step that arrived before its predecessor waits for it (then it is refused)
+
 
 class StepError(Exception):
     """A request the worker must refuse with FAILED_PRECONDITION."""
@@ -50,7 +55,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.epoch = ""
         self.num_blocks = 0
         self.rank = 0  # from InitCache: an attribute of this worker's Execute spans
-        self.next_step = 0
+        self.next_step = 0  # the step thread's: the next step it runs
+        self.queued_steps = 0  # the event loop's: steps of this epoch handed to the step thread
+        self._order = asyncio.Condition()
         self.profiled_blocks: int | None = None
         self.last_step_at = time.monotonic()
         # NOTE: one thread owns the runner: steps are strictly ordered and torch runs outside the event loop.
@@ -103,6 +110,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         if request.num_blocks < 2 or not request.epoch:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be >= 2 and epoch non-empty")
         await asyncio.get_running_loop().run_in_executor(self.pool, self._init_cache, request)
+        self.queued_steps = 0
         log.info("KV cache ready", blocks=request.num_blocks, rank=request.rank, world_size=request.world_size)
         return worker_pb2.InitCacheResponse()
 
@@ -124,6 +132,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.ExecuteResponse:
         self.last_step_at = time.monotonic()
         try:
+            await self._wait_turn(request)
             return await asyncio.get_running_loop().run_in_executor(self.pool, self._execute, request)
         except StepError as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
@@ -132,6 +141,23 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.INTERNAL, f"step {request.step} failed: {e}")
         finally:
             self.last_step_at = time.monotonic()
+
+    async def _wait_turn(self, request: worker_pb2.ExecuteRequest) -> None:
+        """Holds a step of this epoch until every earlier one is queued; the queue (one thread) keeps the order.
+
+        NOTE: the scheduler sends step N+1 after step N, but two calls on one channel may still reach the handlers
+        in either order. A step that waits in vain is queued anyway and refused as out of sequence by `_execute`.
+        """
+        if request.epoch != self.epoch:
+            return  # refused by `_execute`
+        async with self._order:
+            if request.step > self.queued_steps:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        self._order.wait_for(lambda: request.step <= self.queued_steps), ORDER_WAIT_S
+                    )
+            self.queued_steps = max(self.queued_steps, request.step + 1)
+            self._order.notify_all()
 
     def _execute(self, request: worker_pb2.ExecuteRequest) -> worker_pb2.ExecuteResponse:
         t0 = time.perf_counter()
