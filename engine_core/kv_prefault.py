@@ -10,10 +10,14 @@ pages are mapped writable and their contents left as they are, so a block a step
 K/V). It walks the blocks in the order the block pool hands them out (ascending ids, every layer's K and V of a
 chunk together), so the blocks the first requests get are the first ready.
 
-NOTE: it only runs while no step does: the runner pauses it for each step, and at most one call (a chunk of
-`CHUNK_BLOCKS` blocks of one layer's K or V, ~0.4 MiB, ~1 ms) overlaps a step's start. A thread that ran alongside
-the steps at low priority slowed the first request of `pagoda serve --demo` from 369 to 782 ms (session 4): page
-faults and memory bandwidth are not shared by CPU priority. The thread releases the GIL in each call (ctypes).
+NOTE: it only runs while no step does: the runner pauses it for each step, and a call (a chunk of `CHUNK_BLOCKS`
+blocks of one layer's K or V, ~0.4 MiB, ~1 ms) starts only after `IDLE_S` without a step, so at most one call
+overlaps a step's start, and only a step that follows a pause. A thread that ran alongside the steps at low priority
+slowed the first request of `pagoda serve --demo` from 369 to 782 ms (session 4): page faults and memory bandwidth
+are not shared by CPU priority. The thread releases the GIL in each call (ctypes).
+NOTE: `IDLE_S` because steps run back to back with async scheduling (the next one is queued when one ends): a call
+started in the microseconds between two steps ran ~1 ms into the next, ~10 % of a batch-1 step, in every step until
+the walk was done (the first ~50 s after a start under load: the harness's batch-1 streams ran then).
 NOTE: the price is that the whole budget is resident soon after start-up, as with an engine that zero-fills its
 cache; the budget was already checked against the host's free memory when the mapping was made.
 """
@@ -34,6 +38,7 @@ log = structlog.get_logger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14)
 CHUNK_BLOCKS = 32  # blocks per call: 32 x 12 KiB for SmolLM2 at block size 16
+IDLE_S = 0.005  # a call starts only after this long without a step
 PAGE = 4096
 
 
@@ -79,6 +84,7 @@ class KvPrefaulter:
         self._call_ranges = self._ranges(cache)
         self._idle = threading.Event()
         self._idle.set()
+        self._idle_since = time.monotonic()
         self._closed = False
         self.bytes_done = 0
         self.total_bytes = cache.numel() * cache.element_size()
@@ -96,6 +102,7 @@ class KvPrefaulter:
 
     def resume(self) -> None:
         if not self.finished:
+            self._idle_since = time.monotonic()
             self._idle.set()
 
     def close(self) -> None:
@@ -130,6 +137,15 @@ class KvPrefaulter:
         finally:
             self.finished = True
 
+    def _wait_idle(self) -> None:
+        """Returns once no step has run for `IDLE_S` (or the walk is closed)."""
+        while True:
+            self._idle.wait()
+            left = IDLE_S - (time.monotonic() - self._idle_since)
+            if left <= 0 or self._closed:
+                return
+            time.sleep(left)
+
     def _walk(self) -> None:
         madvise = _madvise()
         if madvise is None:
@@ -137,7 +153,7 @@ class KvPrefaulter:
             return
         t0 = time.perf_counter()
         for addr, length in self._call_ranges:
-            self._idle.wait()
+            self._wait_idle()
             cache = self._cache()
             if self._closed or cache is None:
                 return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import time
 
 import pytest
 import torch
@@ -58,6 +59,26 @@ def test_nothing_is_faulted_while_paused_and_the_walk_resumes() -> None:
     p.start()
     assert not p.join(timeout=0.3)
     assert p.bytes_done == 0 and resident_fraction(kv) == 0.0
+    p.resume()
+    finished(p)
+    assert resident_fraction(kv) == 1.0
+
+
+def test_steps_back_to_back_leave_no_gap_for_the_walk() -> None:
+    """Async scheduling queues the next step before one ends: the walk waits for a real pause (IDLE_S)."""
+    kv = cache(400)
+    p = KvPrefaulter(kv, chunk_blocks=1)
+    p.start()
+    assert not p.join(timeout=0.0)
+    p.pause()
+    done = p.bytes_done
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:  # steps of ~1 ms with ~50 us between them
+        p.resume()
+        time.sleep(0.00005)
+        p.pause()
+        time.sleep(0.001)
+    assert p.bytes_done <= done + 2 * 1 * 12 * 1024 + PAGE  # at most the call under way when the steps began
     p.resume()
     finished(p)
     assert resident_fraction(kv) == 1.0
