@@ -1,4 +1,4 @@
-"""Shared fixtures: the real SmolLM2 weights (converted once, cached) and its tokenizer."""
+"""Shared fixtures: the real SmolLM2 weights (converted once, cached), its tokenizer, and a tiny random Llama."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from kernels.triton_mode import configure_triton_interpret
 INTERPRETED = configure_triton_interpret()
 # Where tests that run the Triton kernels put the engine: compiled kernels need CUDA tensors, interpreted ones CPU.
 TRITON_DEVICE = "cpu" if INTERPRETED else "cuda"
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,3 +35,26 @@ def smollm2_tokenizer(smollm2_dir: str):
     from engine_core.model_files import load_tokenizer
 
     return load_tokenizer(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """HF directory of a 2-layer random Llama (vocab 128, GQA 4/2): the engine against transformers, in seconds."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.2,  # peaky logits: argmax is not decided by rounding noise
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    return path

@@ -8,7 +8,6 @@ foreign K/V or an unknown token. The last test runs the real ModelRunner on its 
 
 from __future__ import annotations
 
-import random
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,9 +20,15 @@ from engine_core.model_runner import ModelRunner
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.request import FinishReason, Request
 from engine_core.sampling_params import SamplingParams
-from tests.test_model_runner import tiny_dir  # noqa: F401  (fixture)
-from tests.test_scheduler import EOS, Worker, check_invariants, make_request
-from tests.test_scheduler_properties import prompts
+from tests.test_scheduler import Worker, check_invariants, make_request
+from tests.test_scheduler_properties import (
+    Workload,
+    model_token,
+    prompts,
+    request_outputs,
+    workload_requests,
+    workloads,
+)
 
 MAX_LEN = 24  # max_model_len of every core here
 
@@ -81,13 +86,10 @@ def make_core(
     index_of: dict[int, int] = {}  # seq_id -> choice index, kept after the scheduler forgets a finished sequence
 
     def sample(seq_id: int) -> int:
-        # The "model": the next token depends only on the tokens so far and the choice index.
         seq = core.scheduler.seqs.get(seq_id)
         if seq is not None:
             index_of[seq_id] = seq.index
-        tokens = worker.worker.seqs[seq_id].token_ids
-        token = random.Random(f"{tokens}/{index_of.get(seq_id, -1)}").randrange(10, 30)
-        return EOS if token == 29 else token
+        return model_token(worker.worker.seqs[seq_id].token_ids, index_of.get(seq_id, -1))
 
     worker.worker.sample = sample
     return core, worker
@@ -109,10 +111,6 @@ def run(core: EngineCore, requests: list[Request], actions: dict[int, tuple[str,
         core.step()
         check_invariants(core.scheduler)
     raise AssertionError("not finished after 3000 steps")
-
-
-def outputs(requests: list[Request]) -> dict[str, list[tuple[int, tuple[int, ...], FinishReason | None]]]:
-    return {r.request_id: sorted((s.index, tuple(s.token_ids), s.finish_reason) for s in r.seqs) for r in requests}
 
 
 def test_decode_steps_are_sent_while_the_previous_one_runs() -> None:
@@ -174,16 +172,14 @@ def _stops_early(prompt: list[int]) -> bool:
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(
-    workload=st.lists(
-        st.tuples(prompts(), st.integers(1, 3), st.integers(1, 16), st.integers(0, 2)), min_size=1, max_size=6
-    ),
+    workload=workloads(min_max_tokens=1, min_size=1),
     num_blocks=st.integers(6, 24),
     budget=st.integers(1, 12),
     max_num_seqs=st.integers(3, 5),
     policy=st.sampled_from(["fcfs", "priority"]),
 )
 def test_outputs_are_those_of_synchronous_steps(
-    workload: list[tuple[list[int], int, int, int]], num_blocks: int, budget: int, max_num_seqs: int, policy: str
+    workload: Workload, num_blocks: int, budget: int, max_num_seqs: int, policy: str
 ) -> None:
     """Chunked prefill, forks (n > 1), preemption in tight pools, prefix hits, stops by token and length: the same
     tokens and finish reasons with steps planned ahead as without."""
@@ -192,14 +188,11 @@ def test_outputs_are_those_of_synchronous_steps(
         core, worker = make_core(
             pipelined=pipelined, num_blocks=num_blocks, budget=budget, max_num_seqs=max_num_seqs, policy=policy
         )
-        requests = [
-            make_request(prompt[:16], request_id=f"w{i}", n=n, max_tokens=max_tokens, priority=priority)
-            for i, (prompt, n, max_tokens, priority) in enumerate(workload)
-        ]
+        requests = workload_requests(workload, max_prompt=16)
         run(core, requests)
         assert core.scheduler.kv.pool.num_free == num_blocks
         assert worker.max_in_flight <= 2
-        results.append(outputs(requests))
+        results.append(request_outputs(requests))
     assert results[0] == results[1]
 
 
@@ -242,7 +235,7 @@ class ThreadedRunner:
         return self.pool.submit(self.runner.execute, plan)
 
 
-def test_the_model_runner_gives_the_same_tokens_with_steps_planned_ahead(tiny_dir: Path) -> None:  # noqa: F811
+def test_the_model_runner_gives_the_same_tokens_with_steps_planned_ahead(tiny_dir: Path) -> None:
     """Greedy, seeded sampling with logprobs, n = 2 and stop tokens on a tiny Llama: identical outputs."""
     results = []
     for pipelined in (False, True):
@@ -269,5 +262,5 @@ def test_the_model_runner_gives_the_same_tokens_with_steps_planned_ahead(tiny_di
                 if out.new_logprobs is not None:
                     logprobs.extend((out.request_id, out.index, row.logprobs) for row in out.new_logprobs)
         executor.pool.shutdown()
-        results.append((outputs(requests), logprobs))
+        results.append((request_outputs(requests), logprobs))
     assert results[0] == results[1]

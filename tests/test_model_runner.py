@@ -1,4 +1,5 @@
-"""The model runner on a tiny random Llama (no real weights): plans in, tokens out, against transformers."""
+"""The model runner on a tiny random Llama (`tiny_dir`, tests/conftest.py): plans in, tokens out, against
+transformers."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
 from engine_core.config import EngineConfig
 from engine_core.model_runner import ModelRunner
@@ -14,28 +15,7 @@ from engine_core.plan import CachedSequenceData, NewSequenceData, SchedulerOutpu
 from engine_core.sampling_params import SamplingParams
 from tests.hf_reference import hf_greedy
 
-VOCAB = 128
 BS = 4
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        initializer_range=0.2,  # peaky logits: argmax is not decided by rounding noise
-        tie_word_embeddings=False,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    return path
 
 
 def make_runner(model_dir: Path, backend: str) -> ModelRunner:

@@ -197,38 +197,51 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 
 
 # ---- outputs are independent of scheduling --------------------------------------------------------------------------
-def run_workload(sched: Scheduler, workload: list[tuple[list[int], int, int, int]]) -> tuple[dict, int]:
-    """Runs every request to completion with a "model" whose next token depends only on the tokens so far."""
-    h = Harness(sched)
+Workload = list[tuple[list[int], int, int, int]]  # per request: prompt, n, max_tokens, priority
 
-    def sample(seq_id: int) -> int:
-        tokens = h.worker.seqs[seq_id].token_ids
-        index = sched.seqs[seq_id].index
-        token = random.Random(f"{tokens}/{index}").randrange(10, 30)
-        return EOS if token == 29 else token
 
-    h.worker.sample = sample
-    requests = [
-        h.add(make_request(prompt[:20], request_id=f"w{i}", n=n, max_tokens=max_tokens, priority=priority))
+def workloads(min_max_tokens: int, min_size: int) -> st.SearchStrategy[Workload]:
+    return st.lists(
+        st.tuples(prompts(), st.integers(1, 3), st.integers(min_max_tokens, 16), st.integers(0, 2)),
+        min_size=min_size,
+        max_size=6,
+    )
+
+
+def workload_requests(workload: Workload, max_prompt: int) -> list[Request]:
+    return [
+        make_request(prompt[:max_prompt], request_id=f"w{i}", n=n, max_tokens=max_tokens, priority=priority)
         for i, (prompt, n, max_tokens, priority) in enumerate(workload)
     ]
+
+
+def model_token(tokens: list[int], index: int) -> int:
+    """The test "model": the next token of choice `index` depends only on the tokens so far (EOS now and then)."""
+    token = random.Random(f"{tokens}/{index}").randrange(10, 30)
+    return EOS if token == 29 else token
+
+
+def request_outputs(requests: list[Request]) -> dict[str, list[tuple[int, tuple[int, ...], FinishReason | None]]]:
+    return {r.request_id: sorted((s.index, tuple(s.token_ids), s.finish_reason) for s in r.seqs) for r in requests}
+
+
+def run_workload(sched: Scheduler, workload: Workload) -> tuple[dict, int]:
+    """Runs every request to completion with `model_token` as the model."""
+    h = Harness(sched)
+    h.worker.sample = lambda seq_id: model_token(h.worker.seqs[seq_id].token_ids, sched.seqs[seq_id].index)
+    requests = [h.add(r) for r in workload_requests(workload, max_prompt=20)]
     h.run(max_steps=5000)
-    outputs = {r.request_id: sorted((s.index, tuple(s.token_ids), s.finish_reason) for s in r.seqs) for r in requests}
-    return outputs, sched.num_preemptions
+    return request_outputs(requests), sched.num_preemptions
 
 
 @settings(max_examples=50, deadline=None, derandomize=True)
 @given(
-    workload=st.lists(
-        st.tuples(prompts(), st.integers(1, 3), st.integers(4, 16), st.integers(0, 2)), min_size=2, max_size=6
-    ),
+    workload=workloads(min_max_tokens=4, min_size=2),
     num_blocks=st.integers(6, 10),
     budget=st.integers(1, 8),
     policy=st.sampled_from(["fcfs", "priority"]),
 )
-def test_outputs_do_not_depend_on_scheduling(
-    workload: list[tuple[list[int], int, int, int]], num_blocks: int, budget: int, policy: str
-) -> None:
+def test_outputs_do_not_depend_on_scheduling(workload: Workload, num_blocks: int, budget: int, policy: str) -> None:
     roomy, preemptions = run_workload(make_scheduler(num_blocks=256, max_model_len=24), workload)
     assert preemptions == 0
     tight, _ = run_workload(

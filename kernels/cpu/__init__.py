@@ -197,8 +197,10 @@ class DecodeLayerWeights:
     head_dim: int
     eps: float
     scale: float
-    coded_m: int  # GEMM row thresholds, as models/cpu_linear.py dispatches: below coded_m the coded kernel (where
-    onednn_m: int  # the weight has codes), below onednn_m the panel kernel, from onednn_m oneDNN, from large_m MKL
+    # GEMM row thresholds, as models/cpu_linear.py dispatches: below coded_m the coded kernel (where the weight has
+    # codes), below onednn_m the panel kernel, from onednn_m oneDNN, from large_m MKL
+    coded_m: int
+    onednn_m: int
     large_m: int
 
 

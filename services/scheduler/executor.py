@@ -151,13 +151,13 @@ class RemoteExecutor:
             req.return_samples = True
             if span is not None:
                 req.trace.CopyFrom(TraceContext.of_span(span).to_proto())
-            others = worker_pb2.ExecuteRequest()
-            if len(self._stubs) > 1:
-                others.CopyFrom(req)
-                others.return_samples = False
             # NOTE: futures: the ranks run concurrently; the step is as slow as the slowest rank.
             futures = [self._stubs[0].Execute.future(req, timeout=timeout)]
-            futures += [s.Execute.future(others, timeout=timeout) for s in self._stubs[1:]]
+            if len(self._stubs) > 1:
+                others = worker_pb2.ExecuteRequest()
+                others.CopyFrom(req)
+                others.return_samples = False
+                futures += [s.Execute.future(others, timeout=timeout) for s in self._stubs[1:]]
         except BaseException:
             if span is not None:
                 span.end()

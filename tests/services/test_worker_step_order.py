@@ -20,7 +20,6 @@ from services.convert.plan import plan_to_proto, result_from_proto
 from services.rpc import worker_pb2
 from services.worker import server
 from services.worker.config import parse_worker_args
-from tests.test_model_runner import tiny_dir  # noqa: F401  (fixture)
 
 BLOCKS = 16
 
@@ -66,7 +65,7 @@ async def init(worker: server.WorkerServicer) -> None:
     await worker.InitCache(worker_pb2.InitCacheRequest(num_blocks=BLOCKS, epoch="e1", world_size=1), Context())
 
 
-def test_a_step_that_overtakes_its_predecessor_waits_for_it(tiny_dir: Path) -> None:  # noqa: F811
+def test_a_step_that_overtakes_its_predecessor_waits_for_it(tiny_dir: Path) -> None:
     worker = servicer(tiny_dir)
     steps = plans(4)
 
@@ -93,7 +92,7 @@ def test_a_step_that_overtakes_its_predecessor_waits_for_it(tiny_dir: Path) -> N
     assert worker.next_step == 4
 
 
-def test_a_step_whose_predecessor_never_comes_is_refused(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+def test_a_step_whose_predecessor_never_comes_is_refused(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server, "ORDER_WAIT_S", 0.2)
     worker = servicer(tiny_dir)
     steps = plans(2)
