@@ -54,7 +54,7 @@ class EngineConfig:
     scheduling_policy: str = _opt("fcfs", "fcfs | priority")
     # NOTE: only executors that can run a step while the scheduler goes on (remote workers) use it; offline LLM runs
     # the model on the scheduler's own thread.
-    async_scheduling: bool = _opt(True, "plan step N+1 while the workers run step N (remote workers)")
+    async_scheduling: bool = _opt(True, "plan step N+1 while the workers run a short step N (remote workers)")
     # Model execution
     attention_backend: str | None = _opt(None, "cpu | torch | triton (default: by device)")
     enforce_eager: bool = _opt(False, "no CUDA graphs: decode steps launch every kernel (CUDA + triton backend only)")

@@ -5,14 +5,16 @@ Its methods are the whole surface the services and the offline `LLM` use: add/ab
 `core.scheduler` or the KV cache.
 
 With a `PipelinedExecutor` and `async_scheduling`, `step` submits step N+1 before it waits for step N, so the hops to
-the workers and the scheduler's own work overlap the model (vLLM's async scheduling); `step` still returns the
-outputs of one step at a time, in order.
+the workers and the scheduler's own work overlap the model (vLLM's async scheduling), as long as steps are short
+(`PIPELINE_MAX_STEP_S`); `step` still returns the outputs of one step at a time, in order.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import structlog
@@ -26,6 +28,15 @@ from engine_core.seq_output import SeqOutput, ending_outputs, tensor_rows
 from engine_core.stats import EngineStats
 
 log = structlog.get_logger(__name__)
+
+# NOTE: planning step N+1 while step N runs saves one hop to the workers per step (~1-2 ms over loopback gRPC), but a
+# request that arrives during step N misses N+1 (planned when N was sent) and waits for it too. Behind a short step
+# both are small and the hop is a large part of the step (batch 1 here: ~2 of ~10 ms); behind a long one (a 32-row
+# decode step on 2 CPU cores is ~110 ms, a 2,048-token prefill ~2.5 s) the hop is under 2 % while the wait is a whole
+# step: requests arriving while 32 streams decoded had a TTFT p50 of 432-466 ms with every step planned ahead, 313-384
+# with none, 312-371 with this bound (docs/benchmarks.md, session 12). So a step is planned ahead only after a step
+# shorter than this.
+PIPELINE_MAX_STEP_S = 0.05
 
 
 class Executor(Protocol):
@@ -44,6 +55,13 @@ class PipelinedExecutor(Executor, Protocol):
     def submit(self, plan: SchedulerOutput) -> StepHandle: ...
 
 
+@dataclass
+class _Submitted:
+    plan: SchedulerOutput
+    handle: StepHandle
+    at: float  # clock reading when it was sent
+
+
 class EngineCore:
     """Transport-free: `add_request`, `step`, `abort`, `finish_choice`. The scheduler service wraps exactly this.
 
@@ -51,13 +69,23 @@ class EngineCore:
     """
 
     def __init__(
-        self, config: EngineConfig, executor: Executor | PipelinedExecutor, max_model_len: int, num_blocks: int
+        self,
+        config: EngineConfig,
+        executor: Executor | PipelinedExecutor,
+        max_model_len: int,
+        num_blocks: int,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.executor = executor
         submit = getattr(executor, "submit", None)
         self._submit: Callable[[SchedulerOutput], StepHandle] | None = submit if config.async_scheduling else None
-        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None  # submitted, its outputs not returned yet
+        self._in_flight: _Submitted | None = None  # submitted, its outputs not returned yet
+        self._clock = clock
+        self._last_result_at = 0.0
+        # The workers' time on the last step (its hops included when not overlapped); none measured yet: infinite,
+        # so the first step is timed before any is planned ahead of it.
+        self._last_step_s = float("inf")
         capacity = num_blocks * config.block_size
         if capacity < max_model_len:
             # NOTE: a sequence longer than the whole cache could never be scheduled again after a preemption.
@@ -131,18 +159,21 @@ class EngineCore:
                 return []
             if submit is None:
                 return self.process(plan, self.executor.execute(plan))
-            in_flight = (plan, submit(plan))
+            in_flight = _Submitted(plan, submit(plan), self._clock())
         assert submit is not None, "only a pipelined core has a step in flight"
-        plan, handle = in_flight
         try:
-            ahead = self.scheduler.schedule_ahead()
+            ahead = self.scheduler.schedule_ahead() if self._last_step_s < PIPELINE_MAX_STEP_S else None
             if ahead is not None:
-                self._in_flight = (ahead, submit(ahead))
-            result = handle.result()
+                self._in_flight = _Submitted(ahead, submit(ahead), self._clock())
+            result = in_flight.handle.result()
         except BaseException:
             self._drain()
             raise
-        return self.process(plan, result)
+        # NOTE: a step sent behind another starts when that one's result is back (the workers run steps in order).
+        now = self._clock()
+        self._last_step_s = now - max(in_flight.at, self._last_result_at)
+        self._last_result_at = now
+        return self.process(in_flight.plan, result)
 
     def _drain(self) -> None:
         """After a failed step: waits out the step submitted behind it (it fails too, or runs on a cache that the
@@ -150,7 +181,7 @@ class EngineCore:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is not None:
             with contextlib.suppress(Exception):
-                in_flight[1].result()
+                in_flight.handle.result()
 
     def process(self, plan: SchedulerOutput, result: ModelRunnerOutput) -> list[SeqOutput]:
         """Applies a step's results to the scheduler and turns them into per-sequence outputs."""

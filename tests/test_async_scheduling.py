@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_core.config import EngineConfig
-from engine_core.engine import EngineCore
+from engine_core.engine import PIPELINE_MAX_STEP_S, EngineCore
 from engine_core.model_runner import ModelRunner
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.request import FinishReason, Request
@@ -34,10 +34,14 @@ MAX_LEN = 24  # max_model_len of every core here
 
 
 class InOrderWorker:
-    """A PipelinedExecutor over the worker simulation; records how many steps were in flight at once."""
+    """A PipelinedExecutor over the worker simulation; records how many steps were in flight at once. Its clock
+    advances by `step_s` per step run (the core's clock in these tests: real time would make pipelining depend on
+    the machine's load)."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: Worker, step_s: float = 0.001) -> None:
         self.worker = worker
+        self.step_s = step_s
+        self.now = 0.0
         self.sent: list[SchedulerOutput] = []
         self.results: list[ModelRunnerOutput] = []
         self.max_in_flight = 0
@@ -56,6 +60,7 @@ class InOrderWorker:
     def run_until(self, index: int) -> ModelRunnerOutput:
         while len(self.results) <= index:
             self.results.append(self.worker.execute(self.sent[len(self.results)]))
+            self.now += self.step_s
             for seq_id, ws in self.worker.seqs.items():
                 # NOTE: a real worker's batch holds MAX_LEN positions: a step planned ahead must not pass them.
                 assert ws.num_computed < MAX_LEN, f"sequence {seq_id} computed past max_model_len"
@@ -71,7 +76,13 @@ class _Step:
 
 
 def make_core(
-    *, pipelined: bool, num_blocks: int = 64, budget: int = 256, max_num_seqs: int = 16, policy: str = "fcfs"
+    *,
+    pipelined: bool,
+    num_blocks: int = 64,
+    budget: int = 256,
+    max_num_seqs: int = 16,
+    policy: str = "fcfs",
+    step_s: float = 0.001,
 ) -> tuple[EngineCore, InOrderWorker]:
     config = EngineConfig(
         num_kv_blocks=num_blocks,
@@ -81,8 +92,8 @@ def make_core(
         scheduling_policy=policy,
         async_scheduling=pipelined,
     )
-    worker = InOrderWorker(Worker(num_blocks, 4))
-    core = EngineCore(config, worker, max_model_len=MAX_LEN, num_blocks=num_blocks)
+    worker = InOrderWorker(Worker(num_blocks, 4), step_s)
+    core = EngineCore(config, worker, max_model_len=MAX_LEN, num_blocks=num_blocks, clock=lambda: worker.now)
     index_of: dict[int, int] = {}  # seq_id -> choice index, kept after the scheduler forgets a finished sequence
 
     def sample(seq_id: int) -> int:
@@ -119,11 +130,31 @@ def test_decode_steps_are_sent_while_the_previous_one_runs() -> None:
     steps = run(core, [request])
     seq = request.seqs[0]
     assert seq.num_output_tokens == 8 and seq.finish_reason is FinishReason.LENGTH
-    # The prefill and 7 decodes; every decode was sent while the step before it ran; the step that samples the
-    # 8th token is known to finish the request by length, so nothing is sent after it.
-    assert len(worker.sent) == 8 and worker.sent_ahead == 7 and worker.max_in_flight == 2
+    # The prefill and 7 decodes; every decode after the first (sent once a step had been timed) was sent while the
+    # step before it ran; the step that samples the 8th token is known to finish the request by length, so nothing
+    # is sent after it.
+    assert len(worker.sent) == 8 and worker.sent_ahead == 6 and worker.max_in_flight == 2
     assert steps == 8
     assert core.scheduler.kv.pool.num_free == 64
+
+
+def test_no_step_is_planned_ahead_of_long_steps() -> None:
+    """Behind steps longer than PIPELINE_MAX_STEP_S a request that arrives between two of them is in the next step
+    the workers run; behind short steps it waits for the one planned ahead (the hop saved is worth it there)."""
+    for step_s, ahead in ((PIPELINE_MAX_STEP_S * 2, False), (PIPELINE_MAX_STEP_S / 2, True)):
+        core, worker = make_core(pipelined=True, step_s=step_s)
+        core.add_request(make_request([5, 6, 7], max_tokens=12, ignore_eos=True))
+        for _ in range(4):
+            core.step()
+        assert (worker.sent_ahead > 0) is ahead
+        late = make_request([8, 9, 10], max_tokens=2, ignore_eos=True)
+        core.add_request(late)  # between steps, as the scheduler service adds requests
+        core.step()
+        seq_id = late.seqs[0].seq_id
+        first = next(i for i, plan in enumerate(worker.sent) if seq_id in plan.num_scheduled_tokens)
+        assert first - 4 == (1 if ahead else 0)  # steps the workers run after its arrival before it is in one
+        run(core, [])
+        assert late.seqs[0].num_output_tokens == 2
 
 
 def test_a_parent_forks_as_soon_as_its_prompt_is_computed() -> None:
