@@ -1,6 +1,6 @@
 """Async scheduling: EngineCore plans and submits step N+1 while step N runs (`Scheduler.schedule_ahead`).
 
-`InOrderWorker` puts tests/test_scheduler.py's worker simulation behind `submit`: steps run in the order they were
+`InOrderWorker` puts tests/scheduler_sim.py's worker simulation behind `submit`: steps run in the order they were
 sent, each as late as a real worker could run it (when its result, or a later one's, is asked for). So a block that
 was freed and reused while a step was in flight, or a token scheduled before the worker knows it, shows up as
 foreign K/V or an unknown token. The last test runs the real ModelRunner on its own thread.
@@ -20,7 +20,7 @@ from engine_core.model_runner import ModelRunner
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.request import FinishReason, Request
 from engine_core.sampling_params import SamplingParams
-from tests.test_scheduler import Worker, check_invariants, make_request
+from tests.scheduler_sim import Worker, check_invariants, make_request
 from tests.test_scheduler_properties import (
     Workload,
     model_token,

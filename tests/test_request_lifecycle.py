@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine_core.request import LifecycleKind
-from tests.test_scheduler import Harness, make_request, make_scheduler
+from tests.scheduler_sim import Harness, make_request, make_scheduler
 
 
 def test_timings_are_ordered_and_steps_counted_once_per_step() -> None:

@@ -1,4 +1,4 @@
-"""Property-based scheduler tests: random workloads against the invariants of tests/test_scheduler.py.
+"""Property-based scheduler tests: random workloads against the invariants of tests/scheduler_sim.py.
 
 `SchedulerMachine` interleaves add / step / abort / finish (stop string) with a "hog" that takes free blocks straight
 from the pool to force preemption in tiny pools; after every action the block accounting, the free queue, the cache
@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from engine_core.request import FinishReason, Request, SequenceStatus
 from engine_core.scheduler import Scheduler
-from tests.test_scheduler import EOS, Harness, check_invariants, make_request, make_scheduler
+from tests.scheduler_sim import EOS, Harness, check_invariants, make_request, make_scheduler
 
 # Prompts are cut from a few shared bases so that prefixes (and prefix-cache hits) are common.
 BASES = [list(range(10, 42)), [7, 8] * 16, list(range(41, 9, -1))]

@@ -29,8 +29,8 @@ from services.frontend.tracing import RequestSpan, operation_name, request_attri
 from services.rpc import worker_pb2
 from services.scheduler.tracing import StepTracer, record_request
 from services.worker.tracing import record_execute
+from tests.scheduler_sim import Harness, make_request, make_scheduler
 from tests.services.otlp_receiver import OtlpReceiver
-from tests.test_scheduler import Harness, make_request, make_scheduler
 
 OTEL_VARS = (
     "OTEL_SDK_DISABLED",
