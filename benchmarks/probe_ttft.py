@@ -68,4 +68,7 @@ if __name__ == "__main__":
     p.add_argument("--probes", type=int, default=40)
     p.add_argument("--warmup-s", type=float, default=10.0)
     p.add_argument("--seed", type=int, default=0)
-    asyncio.run(main(p.parse_args()))
+    args = p.parse_args()
+    if args.probes < 2 or args.streams < 0:
+        p.error("--probes must be >= 2 (for a p90) and --streams >= 0")
+    asyncio.run(main(args))
