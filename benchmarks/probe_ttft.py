@@ -53,7 +53,9 @@ async def main(args: argparse.Namespace) -> None:
     stop.set()
     for task in streams:
         task.cancel()
-    await asyncio.gather(*streams, return_exceptions=True)
+    failed = [r for r in await asyncio.gather(*streams, return_exceptions=True) if isinstance(r, Exception)]
+    if failed:  # NOTE: a stream that died left fewer decoding than asked for: the numbers would not mean that load
+        raise SystemExit(f"{len(failed)} of {args.streams} background streams failed, e.g. {failed[0]!r}")
     p90 = statistics.quantiles(ttfts, n=10)[-1]
     print(
         f"probe TTFT ms, {args.streams} streams decoding: mean {statistics.mean(ttfts):.0f} "

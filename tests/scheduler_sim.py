@@ -5,6 +5,9 @@
 slot. Every forward checks that the slots a sequence attends over hold its own tokens, so a wrong prefix hit, a shared
 block written twice or a missing copy-on-write shows up as wrong "K/V". `Harness.step` also checks that the worker's
 view (tables, computed counts, tokens) equals the scheduler's and that the two agree on who samples.
+
+Also the workloads the property tests draw (`prompts`, `workloads`) and the test "model" (`model_token`) that makes a
+sequence's tokens depend only on its tokens so far, so that outputs can be compared across schedules.
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
+from hypothesis import strategies as st
+
 from engine_core.block_pool import KVBlock
 from engine_core.config import EngineConfig
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.prefix_cache import extend_block_hashes
-from engine_core.request import Request, SequenceStatus
+from engine_core.request import FinishReason, Request, SequenceStatus
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler import Scheduler, SequenceUpdate
 
@@ -248,3 +253,43 @@ def first_step_of(harness: Harness) -> dict[int, int]:
         for new in plan.new_seqs:
             seen.setdefault(new.seq_id, i)
     return seen
+
+
+# ---- workloads and the test model -----------------------------------------------------------------------------------
+# Prompts are cut from a few shared bases so that prefixes (and prefix-cache hits) are common.
+BASES = [list(range(10, 42)), [7, 8] * 16, list(range(41, 9, -1))]
+
+
+@st.composite
+def prompts(draw: st.DrawFn) -> list[int]:
+    base = draw(st.sampled_from(BASES))
+    prompt = base[: draw(st.integers(0, 20))] + draw(st.lists(st.integers(10, 14), max_size=5))
+    return prompt or [11]
+
+
+Workload = list[tuple[list[int], int, int, int]]  # per request: prompt, n, max_tokens, priority
+
+
+def workloads(min_max_tokens: int, min_size: int) -> st.SearchStrategy[Workload]:
+    return st.lists(
+        st.tuples(prompts(), st.integers(1, 3), st.integers(min_max_tokens, 16), st.integers(0, 2)),
+        min_size=min_size,
+        max_size=6,
+    )
+
+
+def workload_requests(workload: Workload, max_prompt: int) -> list[Request]:
+    return [
+        make_request(prompt[:max_prompt], request_id=f"w{i}", n=n, max_tokens=max_tokens, priority=priority)
+        for i, (prompt, n, max_tokens, priority) in enumerate(workload)
+    ]
+
+
+def model_token(tokens: list[int], index: int) -> int:
+    """The test "model": the next token of choice `index` depends only on the tokens so far (EOS now and then)."""
+    token = random.Random(f"{tokens}/{index}").randrange(10, 30)
+    return EOS if token == 29 else token
+
+
+def request_outputs(requests: list[Request]) -> dict[str, list[tuple[int, tuple[int, ...], FinishReason | None]]]:
+    return {r.request_id: sorted((s.index, tuple(s.token_ids), s.finish_reason) for s in r.seqs) for r in requests}

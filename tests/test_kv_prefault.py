@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from engine_core import kv_prefault
 from engine_core.host_memory import zeroed_host_tensor
 from engine_core.kv_prefault import KvPrefaulter
 
@@ -64,12 +65,15 @@ def test_nothing_is_faulted_while_paused_and_the_walk_resumes() -> None:
     assert resident_fraction(kv) == 1.0
 
 
-def test_steps_back_to_back_leave_no_gap_for_the_walk() -> None:
+def test_steps_back_to_back_leave_no_gap_for_the_walk(monkeypatch: pytest.MonkeyPatch) -> None:
     """Async scheduling queues the next step before one ends: the walk waits for a real pause (IDLE_S)."""
     kv = cache(400)
     p = KvPrefaulter(kv, chunk_blocks=1)
     p.start()
     assert not p.join(timeout=0.0)
+    # NOTE: a pause of 0.2 s instead of 5 ms, so that a loaded machine delaying this thread's next pause() by a few
+    # ms does not count as a gap; the walk reads IDLE_S at every wait.
+    monkeypatch.setattr(kv_prefault, "IDLE_S", 0.2)
     p.pause()
     done = p.bytes_done
     deadline = time.monotonic() + 0.5

@@ -10,8 +10,6 @@ generates when the "model" is a deterministic function of the tokens so far.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -19,17 +17,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from engine_core.request import FinishReason, Request, SequenceStatus
 from engine_core.scheduler import Scheduler
-from tests.scheduler_sim import EOS, Harness, check_invariants, make_request, make_scheduler
-
-# Prompts are cut from a few shared bases so that prefixes (and prefix-cache hits) are common.
-BASES = [list(range(10, 42)), [7, 8] * 16, list(range(41, 9, -1))]
-
-
-@st.composite
-def prompts(draw: st.DrawFn) -> list[int]:
-    base = draw(st.sampled_from(BASES))
-    prompt = base[: draw(st.integers(0, 20))] + draw(st.lists(st.integers(10, 14), max_size=5))
-    return prompt or [11]
+from tests.scheduler_sim import (
+    Harness,
+    Workload,
+    check_invariants,
+    make_request,
+    make_scheduler,
+    model_token,
+    prompts,
+    request_outputs,
+    workload_requests,
+    workloads,
+)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
@@ -197,34 +196,6 @@ TestSchedulerMachine = SchedulerMachine.TestCase
 
 
 # ---- outputs are independent of scheduling --------------------------------------------------------------------------
-Workload = list[tuple[list[int], int, int, int]]  # per request: prompt, n, max_tokens, priority
-
-
-def workloads(min_max_tokens: int, min_size: int) -> st.SearchStrategy[Workload]:
-    return st.lists(
-        st.tuples(prompts(), st.integers(1, 3), st.integers(min_max_tokens, 16), st.integers(0, 2)),
-        min_size=min_size,
-        max_size=6,
-    )
-
-
-def workload_requests(workload: Workload, max_prompt: int) -> list[Request]:
-    return [
-        make_request(prompt[:max_prompt], request_id=f"w{i}", n=n, max_tokens=max_tokens, priority=priority)
-        for i, (prompt, n, max_tokens, priority) in enumerate(workload)
-    ]
-
-
-def model_token(tokens: list[int], index: int) -> int:
-    """The test "model": the next token of choice `index` depends only on the tokens so far (EOS now and then)."""
-    token = random.Random(f"{tokens}/{index}").randrange(10, 30)
-    return EOS if token == 29 else token
-
-
-def request_outputs(requests: list[Request]) -> dict[str, list[tuple[int, tuple[int, ...], FinishReason | None]]]:
-    return {r.request_id: sorted((s.index, tuple(s.token_ids), s.finish_reason) for s in r.seqs) for r in requests}
-
-
 def run_workload(sched: Scheduler, workload: Workload) -> tuple[dict, int]:
     """Runs every request to completion with `model_token` as the model."""
     h = Harness(sched)
