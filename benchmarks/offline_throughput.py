@@ -142,10 +142,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
+    from peer_model import peer_model_dir
+
     from engine_core.config import EngineConfig
     from engine_core.model_files import resolve_model_dir
 
-    model_dir = resolve_model_dir(args.model, EngineConfig().cache_dir)
+    cache_dir = EngineConfig().cache_dir
+    model_dir = peer_model_dir(resolve_model_dir(args.model, cache_dir), cache_dir)  # for transformers
     wl = make_workload(args.num_requests, args.seed)
     results = [run_pagoda(wl, args)[0]]
     if not args.skip_hf:

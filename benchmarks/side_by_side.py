@@ -99,7 +99,8 @@ def engine_env(engine: str, args: argparse.Namespace) -> tuple[str, dict[str, st
 def run_offline(engine: str, rnd: int, args: argparse.Namespace, logs: Path) -> OfflineRow:
     python, env = engine_env(engine, args)
     out = logs / f"offline-{engine}-{rnd}.json"
-    cmd = [python, str(HERE / "offline_run.py"), "--engine", engine, "--model", args.model_dir, "--out", str(out)]
+    model = args.model_dir if engine == "pagoda" else args.peer_model_dir
+    cmd = [python, str(HERE / "offline_run.py"), "--engine", engine, "--model", model, "--out", str(out)]
     cmd += ["--workloads", args.workloads, "--num-requests", str(args.num_requests), "--seed", str(args.seed)]
     cmd += ["--threads", str(args.threads), "--kv-cache-gib", f"{args.kv_cache_gib:g}"]
     cmd += ["--batch1-repeats", str(args.batch1_repeats)]
@@ -139,7 +140,7 @@ def server_cmd(
     python, _ = engine_env(engine, args)
     http = free_port()
     if engine == "vllm":
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model_dir]
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.peer_model_dir]
         cmd += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(http), "--dtype", "float32"]
         return cmd, f"http://127.0.0.1:{http}", None
     grpc = free_port()
@@ -299,11 +300,16 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.pagoda_serve_args = args.pagoda_serve_args or [""]
 
+    from peer_model import peer_model_dir
+
     from engine_core.config import EngineConfig
     from engine_core.model_files import resolve_model_dir
 
-    # NOTE: Pagoda's converted HF directory is the one model both engines load (vLLM cannot read the GGUF's Q4_1).
-    args.model_dir = str(resolve_model_dir(args.model, EngineConfig().cache_dir))
+    # NOTE: Pagoda loads its own model directory; the peers its float32 export, the same weights bit for bit (vLLM
+    # cannot read the GGUF's Q4_1).
+    cache_dir = EngineConfig().cache_dir
+    args.model_dir = str(resolve_model_dir(args.model, cache_dir))
+    args.peer_model_dir = peer_model_dir(args.model_dir, cache_dir)
     engines = args.engines.split(",")
     if "vllm" in engines and not Path(args.vllm_venv, "bin", "python").exists():
         print(f"no vLLM virtualenv at {args.vllm_venv} (benchmarks/peers/install_vllm_cpu.sh): vLLM skipped")

@@ -1,8 +1,8 @@
 """Finds a model's files and its tokenizer: no weights, no torch (the frontend imports this much only).
 
-A model is an HF directory (config.json + safetensors) or a GGUF file. GGUF is converted once with transformers
-(~20 s for SmolLM2) and the result is cached as an HF directory under the cache dir, so later starts read
-safetensors directly.
+A model is an HF directory (config.json + safetensors) or a GGUF file. For a GGUF file, transformers writes its
+config and tokenizer once (~12 s for SmolLM2) into a directory under the cache dir, which links to the file
+(model_dir.py); the weights are decoded from the file at each load (gguf_weights.py), never stored as float32.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import structlog
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine_core.model_config import read_config_file
+from engine_core.model_dir import GGUF_LINK
 
 log = structlog.get_logger(__name__)
 
@@ -48,36 +49,41 @@ def model_name(model: str | None) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+# NOTE: part of the cache key: directories written before weights were read from the file (float32 safetensors,
+# 5x the disk and the cold-start read) are not reused.
+_CACHE_FORMAT = "gguf-link-1"
+
+
 def _gguf_cache_dir(gguf_path: Path, cache_dir: str) -> Path:
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    source = f"{_CACHE_FORMAT}:{gguf_path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}"
+    key = hashlib.sha256(source.encode()).hexdigest()[:16]
     return Path(cache_dir) / "models" / f"{gguf_path.stem}-{key}"
 
 
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
-    # NOTE: imported here: only a conversion needs torch, and the frontend (tokenizer only) must not load it.
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    # NOTE: imported here: transformers' config and model classes take seconds to import, and only a first start
+    # needs them (and gguf-py).
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    log.info("converting GGUF (once; cached afterwards)", gguf=str(gguf_path), cache=str(target))
+    from engine_core.gguf_file import check_architecture, read_index
+
+    check_architecture(read_index(gguf_path))  # before transformers' slow parse of the whole header
+    log.info("reading the GGUF file's config and tokenizer (once; cached afterwards)", gguf=str(gguf_path))
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
         kwargs = {"gguf_file": gguf_path.name}
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
-        # NOTE: transformers refuses save_pretrained on a GGUF-loaded model, so write the parts ourselves.
-        state = {k: v.contiguous() for k, v in model.state_dict().items()}
-        if model.config.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        config = model.config
+        config = AutoConfig.from_pretrained(str(gguf_path.parent), **kwargs)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
-        config.architectures = [type(model).__name__]
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+        config.dtype = "float32"  # what the blocks decode to (`dtype="auto"` resolves to it)
         config.save_pretrained(str(tmp))
-        model.generation_config.save_pretrained(str(tmp))
+        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(str(tmp))
+        (tmp / GGUF_LINK).symlink_to(gguf_path.resolve())
         # NOTE: rename is atomic, so two processes converting at once both end with a complete directory.
         try:
             os.rename(tmp, target)
@@ -89,7 +95,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
 
 
 def resolve_model_dir(model: str | None, cache_dir: str) -> str:
-    """Returns an HF directory for `model`, converting (and caching) a GGUF file first."""
+    """Returns an HF directory for `model`; for a GGUF file, its cached directory (written on first use)."""
     path = Path(default_model_path() if model is None else model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         target = _gguf_cache_dir(path, cache_dir)

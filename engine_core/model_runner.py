@@ -98,7 +98,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = cls(hf, backend, self.max_model_len)
-        model.load_weights(iter_weights(model_dir))
+        model.load_weights(iter_weights(model_dir, hf))
         self.model = model.to(dtype=self.dtype).eval()
         # The step functions (step_functions.py): the model's forward serves every step; `decode_step`, where set,
         # serves decode-only steps. NOTE: this is the seam where a CUDA-graph replay of decode steps plugs in.

@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_core import LLM, SamplingParams
+from engine_core.model_dir import transformers_kwargs
 from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -44,7 +45,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def hf_model(smollm2_dir: str) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    # NOTE: transformers decodes the GGUF file itself: the reference shares none of Pagoda's loading code.
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_dir, dtype=torch.float32, **transformers_kwargs(smollm2_dir)
+    ).eval()
 
 
 @pytest.fixture(scope="module")

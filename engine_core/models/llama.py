@@ -20,6 +20,25 @@ from engine_core.models.cpu_linear import use_cpu_linears
 from kernels import cpu as cpu_kernels
 
 
+class Linear(nn.Linear):
+    """`nn.Linear` without the random initialization.
+
+    NOTE: `load_weights` overwrites every parameter and fails on a missing one, so a random init is wasted: ~0.7 s
+    of SmolLM2's start-up went to `kaiming_uniform_` and `normal_` over its 134M weights. (torch's `skip_init` builds
+    on the meta device and imports sympy to do it: 0.4 s.)
+    """
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` without the random initialization (see `Linear`)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -96,8 +115,8 @@ class Attention(nn.Module):
         self.head_dim = backend.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
         self.native = False
         self.triton: ModuleType | None = None
@@ -136,8 +155,8 @@ class MLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=False)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
         self.native = False
         self.triton: ModuleType | None = None
 
@@ -168,7 +187,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, self.qkv_bias) for _ in range(config.num_hidden_layers)
         )
@@ -176,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config, backend.head_dim, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head: nn.Module | None = (
-            None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
 
     def forward(

@@ -109,9 +109,10 @@ def test_cpu_linear_reads_codes_below_coded_m_with_the_same_bits(rows: int) -> N
 @pytest.mark.slow
 def test_the_default_models_projections_all_have_codes(smollm2_dir: str) -> None:
     """The default GGUF (Q4_1 layers, Q8_0 tied embedding) takes the coded kernel everywhere below CODED_M."""
-    from engine_core.model_loader import iter_weights
+    from engine_core.model_loader import iter_weights, load_config
 
-    records = {name: cpu_kernels.coded_pack(t) for name, t in iter_weights(smollm2_dir) if t.dim() == 2}
+    weights = iter_weights(smollm2_dir, load_config(smollm2_dir))
+    records = {name: cpu_kernels.coded_pack(t) for name, t in weights if t.dim() == 2}
     bits = {name: None if r is None else BITS[r.shape[2]] for name, r in records.items()}
     assert bits.pop("model.embed_tokens.weight") == 8
     assert len(bits) == 7 * 30 and set(bits.values()) == {4}, Path(smollm2_dir).name

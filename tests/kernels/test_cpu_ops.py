@@ -86,6 +86,16 @@ def test_cpu_linear_every_path_gives_the_same_product(rows: int, onednn_from: in
     torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (37, 50), (100, 7), (1536, 33), (130, 16)])
+def test_panel_pack_is_the_zero_padded_column_panels(k: int, n: int) -> None:
+    """[ceil(N/16), K, 16]: panel p, row k holds W[16p .. 16p+15, k], zeros past column N (K not a multiple of the
+    packing's k-block, too)."""
+    w = torch.randn(n, k)
+    panels = -(-n // 16)
+    want = F.pad(w, (0, 0, 0, panels * 16 - n)).view(panels, 16, k).transpose(1, 2)
+    assert torch.equal(cpu_kernels.panel_pack(w), want)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 7, 13, 64, 130])
 @pytest.mark.parametrize(("k", "n"), [(576, 960), (37, 50), (100, 7), (1536, 33)])
 @pytest.mark.parametrize("with_bias", [False, True])
