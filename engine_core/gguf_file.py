@@ -151,12 +151,12 @@ def _parse(path: Path, head: bytes, size: int) -> GgufIndex:
     if alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(f"{path}: general.alignment {alignment} is not a power of two")
     data_start = -(-c.pos // alignment) * alignment
-    tensors = [_tensor(path, data_start, size, *info) for info in infos]
+    tensors = [_tensor(path, data_start, alignment, size, *info) for info in infos]
     return GgufIndex(path=path, version=version, architecture=architecture, tensors=tensors)
 
 
 def _tensor(
-    path: Path, data_start: int, size: int, name: str, dims: tuple[int, ...], kind: int, offset: int
+    path: Path, data_start: int, alignment: int, size: int, name: str, dims: tuple[int, ...], kind: int, offset: int
 ) -> GgufTensor:
     try:
         qtype = GGMLQuantizationType(kind)
@@ -170,6 +170,8 @@ def _tensor(
         count *= d
     nbytes = count // block * block_bytes
     start = data_start + offset
+    if offset % alignment:  # the format requires it, and a float32 view of the bytes needs it
+        raise ValueError(f"{path}: tensor {name!r} is not aligned to {alignment} bytes")
     if start + nbytes > size:
         raise ValueError(f"{path}: tensor {name!r} runs past the end of the file")
     return GgufTensor(name=name, shape=tuple(reversed(dims)), kind=qtype, offset=start, nbytes=nbytes)

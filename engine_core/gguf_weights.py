@@ -35,8 +35,8 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# NOTE: llama.cpp's precomputed RoPE factors (Llama 3); transformers has no parameter for them and takes the
-# scaling from the config, so it drops them too.
+# NOTE: llama.cpp's precomputed RoPE factors (Llama 3): transformers' model has no parameter for them, so its loader
+# drops them, and so does this one (the RoPE scaling is the config's).
 _IGNORED = {"rope_freqs.weight"}
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
