@@ -102,7 +102,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         cluster.start()
-        print("starting worker, scheduler and frontend (the first start converts the model, ~30 s)...", file=sys.stderr)
+        first = "a first start reads the model's config and tokenizer, ~15 s"
+        print(f"starting worker, scheduler and frontend ({first})...", file=sys.stderr)
         cluster.wait_healthy(args.startup_timeout)
         print("pagoda is serving:", file=sys.stderr)
         for name, addr in cluster.addresses().items():

@@ -3,10 +3,12 @@ transformers."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine_core.config import EngineConfig
@@ -67,3 +69,16 @@ def test_reset_forgets_every_sequence(tiny_dir: Path) -> None:
     runner.reset()
     assert len(runner.batch) == 0 and len(runner.sampling) == 0
     assert greedy(runner, prompts, steps=3) == first  # the same seq ids are accepted again, from scratch
+
+
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_proj.weight", "model.norm.weight", "lm_head.weight"])
+def test_a_checkpoint_missing_a_weight_is_refused(tiny_dir: Path, tmp_path: Path, name: str) -> None:
+    """Parameters are allocated, not initialised (models/llama.Linear): a weight the checkpoint lacks must fail the
+    load, never serve uninitialised memory."""
+    model_dir = tmp_path / "incomplete"
+    shutil.copytree(tiny_dir, model_dir)
+    weights = load_file(model_dir / "model.safetensors")
+    del weights[name]
+    save_file(weights, model_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="weights missing from checkpoint"):
+        make_runner(model_dir, "torch")
