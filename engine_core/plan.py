@@ -8,10 +8,13 @@ the token ids it sampled itself, so decode steps carry no token ids at all.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine_core.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 
 @dataclass
@@ -60,11 +63,15 @@ class SchedulerOutput:
 
 @dataclass
 class LogprobsTensors:
-    """Per sampled row: `token_ids[:, 0]` is the sampled token, the rest are the top-k alternatives."""
+    """Per sampled row: `token_ids[:, 0]` is the sampled token, the rest are the top-k alternatives.
 
-    token_ids: torch.Tensor  # [rows, 1 + k] int64
-    logprobs: torch.Tensor  # [rows, 1 + k] float32
-    ranks: torch.Tensor  # [rows] int64, rank of the sampled token (1 = most likely)
+    torch tensors where the sampler made them; numpy arrays where the scheduler decoded them from a worker's reply
+    (services/convert/plan.py: the scheduler does not load torch). Both index and `.tolist()` alike (`tensor_rows`).
+    """
+
+    token_ids: torch.Tensor | np.ndarray  # [rows, 1 + k] int64
+    logprobs: torch.Tensor | np.ndarray  # [rows, 1 + k] float32
+    ranks: torch.Tensor | np.ndarray  # [rows] int64, rank of the sampled token (1 = most likely)
 
 
 @dataclass

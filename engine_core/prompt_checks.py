@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:  # NOTE: the scheduler service imports this module and never loads transformers
+    from transformers import PreTrainedTokenizerBase
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str = "prompt_token_ids") -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from engine_core.plan import (
     CachedSequenceData,
@@ -83,11 +83,12 @@ def _matrix_to_proto(t: LogprobsTensors, out: worker_pb2.LogprobsMatrix) -> None
 
 
 def _matrix_from_proto(m: worker_pb2.LogprobsMatrix) -> LogprobsTensors:
+    # NOTE: numpy, not torch: this runs in the scheduler, which never loads torch (~2 s of CPU and ~200 MB at start).
     shape = (m.rows, m.cols)
     return LogprobsTensors(
-        token_ids=torch.tensor(list(m.token_ids), dtype=torch.int64).reshape(shape),
-        logprobs=torch.tensor(list(m.logprobs), dtype=torch.float32).reshape(shape),
-        ranks=torch.tensor(list(m.ranks), dtype=torch.int64),
+        token_ids=np.array(m.token_ids, dtype=np.int64).reshape(shape),
+        logprobs=np.array(m.logprobs, dtype=np.float32).reshape(shape),
+        ranks=np.array(m.ranks, dtype=np.int64),
     )
 
 

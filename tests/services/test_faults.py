@@ -88,7 +88,19 @@ def _serving_again(cluster: LocalCluster, client: GenerationClient, greedy: list
     # NOTE: the scheduler first (the frontend mirrors it once a second, so it may not have noticed the outage yet).
     wait_until(lambda: check(cluster.scheduler_addr, SCHEDULER_SERVICE) == SERVING, 180, "scheduler SERVING again")
     wait_until(lambda: check(cluster.frontend_addr, GENERATION_SERVICE) == SERVING, 60, "frontend SERVING again")
-    assert client.generate(GREEDY).choices[0].token_ids == greedy
+    # NOTE: a scheduler back within a second (it loads no torch) can find the frontend's channel still in its
+    # reconnect backoff (at most 2 s, reliability.md): requests meanwhile fail with UNAVAILABLE, the retryable
+    # status, and a client retries them as this does.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            tokens = client.generate(GREEDY).choices[0].token_ids
+            break
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    assert tokens == greedy
     FAULTS["recovered"] += 1
 
 
