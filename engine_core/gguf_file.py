@@ -39,7 +39,7 @@ class GgufTensor:
 @dataclass(frozen=True)
 class GgufIndex:
     path: Path
-    version: int
+    size: int  # bytes of the whole file
     architecture: str
     tensors: list[GgufTensor]
 
@@ -151,7 +151,7 @@ def _parse(path: Path, head: bytes, size: int) -> GgufIndex:
         raise ValueError(f"{path}: general.alignment {alignment} is not a power of two")
     data_start = -(-c.pos // alignment) * alignment
     tensors = [_tensor(path, data_start, alignment, size, *info) for info in infos]
-    return GgufIndex(path=path, version=version, architecture=architecture, tensors=tensors)
+    return GgufIndex(path=path, size=size, architecture=architecture, tensors=tensors)
 
 
 def _tensor(

@@ -60,10 +60,9 @@ def iter_gguf_weights(path: str | Path, num_heads: int, num_kv_heads: int) -> It
     check_architecture(index)
     permuted = ARCHITECTURES[index.architecture]
     # NOTE: one sequential read of the whole file (98 MB for SmolLM2), not a read per tensor.
-    size = index.path.stat().st_size
-    data = torch.empty(size, dtype=torch.uint8)
+    data = torch.empty(index.size, dtype=torch.uint8)
     with index.path.open("rb") as f:
-        if f.readinto(memoryview(data.numpy())) != size:
+        if f.readinto(memoryview(data.numpy())) != index.size:
             raise ValueError(f"{index.path}: short read")
     for tensor in index.tensors:
         name = hf_name(tensor.name)

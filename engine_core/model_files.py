@@ -61,7 +61,7 @@ def _gguf_cache_dir(gguf_path: Path, cache_dir: str) -> Path:
     return Path(cache_dir) / "models" / f"{gguf_path.stem}-{key}"
 
 
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
+def _write_gguf_dir(gguf_path: Path, target: Path) -> None:
     # NOTE: imported here: transformers' config and model classes take seconds to import, and only a first start
     # needs them (and gguf-py).
     from transformers import AutoConfig, GenerationConfig
@@ -72,7 +72,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     check_architecture(read_index(gguf_path))  # before transformers' slow parse of the whole header
     log.info("reading the GGUF file's config and tokenizer (once; cached afterwards)", gguf=str(gguf_path))
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".gguf-dir-"))
     try:
         kwargs = {"gguf_file": gguf_path.name}
         config = AutoConfig.from_pretrained(str(gguf_path.parent), **kwargs)
@@ -84,7 +84,7 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
         GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs).save_pretrained(str(tmp))
         (tmp / GGUF_LINK).symlink_to(gguf_path.resolve())
-        # NOTE: rename is atomic, so two processes converting at once both end with a complete directory.
+        # NOTE: rename is atomic, so two processes writing it at once both end with a complete directory.
         try:
             os.rename(tmp, target)
         except OSError:
@@ -100,7 +100,7 @@ def resolve_model_dir(model: str | None, cache_dir: str) -> str:
     if path.is_file() and path.suffix == ".gguf":
         target = _gguf_cache_dir(path, cache_dir)
         if not (target / "config.json").is_file():
-            _convert_gguf(path, target)
+            _write_gguf_dir(path, target)
         return str(target)
     if path.is_dir() and (path / "config.json").is_file():
         return str(path)

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from engine_core.model_config import read_config_file, read_config_json
-from engine_core.model_dir import gguf_file
+from engine_core.model_dir import gguf_file, weight_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -55,8 +55,7 @@ def prefetch_weights(model_dir: str) -> None:
     """
     if not hasattr(os, "posix_fadvise"):
         return
-    gguf = gguf_file(model_dir)
-    files = [gguf] if gguf else sorted(Path(model_dir).glob("*.safetensors"))
+    files = weight_files(model_dir)
 
     def read_ahead() -> None:
         for file in files:
@@ -82,7 +81,7 @@ def iter_weights(model_dir: str, config: PretrainedConfig) -> Iterator[tuple[str
 
         yield from iter_gguf_weights(gguf, config.num_attention_heads, config.num_key_value_heads)
         return
-    files = sorted(Path(model_dir).glob("*.safetensors"))
+    files = weight_files(model_dir)
     if not files:
         index = Path(model_dir) / "pytorch_model.bin"
         if index.is_file():

@@ -102,7 +102,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         cluster.start()
-        first = "a first start reads the model's config and tokenizer, ~15 s"
+        first = "a first start writes the model's config and tokenizer once, ~12 s"
         print(f"starting worker, scheduler and frontend ({first})...", file=sys.stderr)
         cluster.wait_healthy(args.startup_timeout)
         print("pagoda is serving:", file=sys.stderr)

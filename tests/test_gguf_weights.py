@@ -16,7 +16,7 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from engine_core.gguf_file import GgufTensor, read_index
 from engine_core.gguf_weights import decode, iter_gguf_weights
-from engine_core.model_dir import gguf_file, transformers_kwargs
+from engine_core.model_dir import GGUF_LINK, gguf_file, transformers_kwargs, weight_files
 from engine_core.model_files import default_model_path, resolve_model_dir
 
 Q = GGMLQuantizationType
@@ -173,3 +173,12 @@ def test_a_malformed_header_is_refused_by_name(tiny_gguf_bytes: bytes, tmp_path:
     path.write_bytes(edit(tiny_gguf_bytes))
     with pytest.raises(ValueError, match=message):
         read_index(path)
+
+
+def test_a_directory_whose_gguf_file_moved_fails_the_load_by_the_files_name(tmp_path: Path) -> None:
+    from engine_core.model_loader import iter_weights
+
+    (tmp_path / GGUF_LINK).symlink_to(tmp_path / "gone.gguf")
+    assert weight_files(tmp_path) == [tmp_path / GGUF_LINK]
+    with pytest.raises(FileNotFoundError, match=r"model\.gguf"):
+        next(iter_weights(str(tmp_path), LlamaConfig(num_attention_heads=4, num_key_value_heads=2)))

@@ -1,4 +1,4 @@
-"""The scheduler service is bookkeeping: it never loads torch or transformers (~2-3 s of CPU and ~200 MB each
+"""The scheduler service is bookkeeping: it never loads torch or transformers (~2.2 s of CPU and ~200 MB each
 start, taken from the worker's cores while it loads the model on a machine that runs all three)."""
 
 from __future__ import annotations
