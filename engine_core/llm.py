@@ -8,17 +8,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
 from engine_core.model_files import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
 from engine_core.model_runner import ModelRunner
 from engine_core.output_processor import OutputProcessor
-from engine_core.prompt_checks import apply_chat_template, check_token_ids
+from engine_core.prompt_checks import check_token_ids
 from engine_core.request import FinishReason, Request
 from engine_core.request_output import RequestMetrics, RequestOutput
 from engine_core.sampling_params import SamplingParams, with_eos
+from engine_core.tokenizer import Tokenizer
 
 PromptType = str | dict[str, Any]
 ChatMessages = list[dict[str, str]]
@@ -28,7 +28,7 @@ ChatMessages = list[dict[str, str]]
 class LoadedEngine:
     core: EngineCore
     runner: ModelRunner
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: Tokenizer
     model_name: str
     eos_token_id: int | None
 
@@ -37,7 +37,7 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     """Resolves the model, loads the runner and sizes the KV cache: the one-process engine."""
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     runner = ModelRunner(config, model_dir)  # NOTE: first: it starts the weights' disk read (prefetch_weights)
-    tokenizer = load_tokenizer(config.tokenizer or model_dir)
+    tokenizer = load_tokenizer(config.tokenizer or model_dir, config.cache_dir)
     num_blocks = runner.profile_num_blocks()
     runner.init_kv_cache(num_blocks)
     core = EngineCore(config, runner, runner.max_model_len, num_blocks)
@@ -58,7 +58,7 @@ class LLM:
     def core(self) -> EngineCore:
         return self.engine.core
 
-    def get_tokenizer(self) -> PreTrainedTokenizerBase:
+    def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
 
     def generate(
@@ -111,7 +111,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
-        return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -9,13 +9,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from transformers import PreTrainedTokenizerBase
-
 from engine_core.detokenizer import IncrementalDetokenizer
 from engine_core.request import FinishReason
 from engine_core.request_output import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.seq_output import SeqOutput, TokenLogprobs
+from engine_core.tokenizer import Tokenizer
 
 
 @dataclass
@@ -63,7 +62,7 @@ class _RequestState:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        tokenizer: PreTrainedTokenizerBase,
+        tokenizer: Tokenizer,
         arrival: float,
     ) -> None:
         self.params = params
@@ -90,7 +89,7 @@ class _RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.requests: dict[str, _RequestState] = {}
 

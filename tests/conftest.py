@@ -32,9 +32,18 @@ def smollm2_dir() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir: str):
+    """Pagoda's tokenizer of the model (a snapshot of transformers' one, read without transformers)."""
     from engine_core.model_files import load_tokenizer
 
-    return load_tokenizer(smollm2_dir)
+    return load_tokenizer(smollm2_dir, CACHE_DIR)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_dir: str):
+    """transformers' own tokenizer of the model: the reference."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
 @pytest.fixture(scope="session")

@@ -181,9 +181,11 @@ def test_deltas_concatenate_to_the_text(smollm2_tokenizer: Any, chunks: int) -> 
 
 @settings(max_examples=200, deadline=None)
 @given(ids=st.lists(st.integers(0, 49151), max_size=12), skip_special=st.booleans())
-def test_decode_function_is_the_tokenizers_decode(smollm2_tokenizer: Any, ids: list[int], skip_special: bool) -> None:
-    """The fast path (the Rust backend's decode) returns what `tokenizer.decode` does, special tokens included."""
+def test_decode_function_is_transformers_decode(
+    smollm2_tokenizer: Any, smollm2_hf_tokenizer: Any, ids: list[int], skip_special: bool
+) -> None:
+    """The fast path (the Rust backend's decode) returns what transformers' `decode` does, special tokens included."""
     tok = smollm2_tokenizer
     assert hasattr(tok, "backend_tokenizer")  # the path under test is the one taken for the real model
-    expected = tok.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
+    expected = smollm2_hf_tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
     assert decode_function(tok, skip_special)(ids) == expected

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine_core import LLM, SamplingParams
-from engine_core.model_files import load_tokenizer
 from engine_core.models.native_decode import NativeDecodeStep
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_gguf_decoded
@@ -52,7 +51,7 @@ def _tiny(kind: str, path: Path, smollm2_dir: str, gguf: bool = False) -> Path:
                 if param.dim() == 2 and "embed" not in name:
                     param.copy_(ref_gguf_decoded(param, "q8_0" if "lm_head" in name else "q4_1"))
     model.save_pretrained(path)
-    load_tokenizer(smollm2_dir).save_pretrained(path)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(path)
     return path
 
 

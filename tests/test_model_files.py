@@ -1,5 +1,5 @@
-"""Config and tokenizer loading: the fast path (config.json in transformers' base class) reads what AutoConfig and
-AutoTokenizer would, and keeps transformers' heavy model-config imports off the start-up path."""
+"""Config loading: the fast path (config.json in transformers' base class) reads what AutoConfig would, and keeps
+transformers' heavy model-config imports off the start-up path (the tokenizer: tests/test_tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoConfig, AutoTokenizer, LlamaConfig, MistralConfig
+from transformers import AutoConfig, LlamaConfig, MistralConfig
 
-from engine_core.model_files import load_tokenizer
 from engine_core.model_loader import load_config
+from tests.conftest import CACHE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 # Every config attribute the engine reads (model_runner, models/llama.py, model_loader.architecture).
@@ -81,25 +81,13 @@ def test_other_model_types_go_through_autoconfig(tmp_path: Path) -> None:
     assert isinstance(config, MistralConfig) and config.sliding_window == 4096
 
 
-def test_tokenizer_fast_path_equals_autotokenizer(smollm2_dir: str) -> None:
-    fast, full = load_tokenizer(smollm2_dir), AutoTokenizer.from_pretrained(smollm2_dir)
-    assert type(fast) is type(full)
-    text = "héllo wörld <|im_start|>user\nHi 日本語 😀"
-    assert fast.encode(text) == full.encode(text)
-    chat = [{"role": "user", "content": "Hi there"}]
-    assert fast.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == full.apply_chat_template(
-        chat, tokenize=False, add_generation_prompt=True
-    )
-    assert fast.all_special_ids == full.all_special_ids and fast.eos_token_id == full.eos_token_id
-
-
 def test_loading_the_default_model_leaves_transformers_model_configs_unimported(smollm2_dir: str) -> None:
     """What `pagoda serve`'s worker and frontend load at start-up imports none of the model-config chain."""
     code = (
         "import sys\n"
         "from engine_core.model_loader import load_config\n"
         "from engine_core.model_files import load_tokenizer\n"
-        f"load_config({smollm2_dir!r}); load_tokenizer({smollm2_dir!r})\n"
+        f"load_config({smollm2_dir!r}); load_tokenizer({smollm2_dir!r}, {CACHE_DIR!r})\n"
         "heavy = [m for m in ('transformers.integrations.hub_kernels', 'torch._dynamo') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

@@ -52,7 +52,7 @@ async def _load_pipeline(
     config: FrontendConfig, client: SchedulerClient, registry: CollectorRegistry, telemetry: Telemetry | None
 ) -> RequestPipeline:
     model_dir = await asyncio.to_thread(resolve_model_dir, config.model, config.cache_dir)
-    hf_tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer or model_dir)
+    model_tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer or model_dir, config.cache_dir)
     info = await client.wait_ready(config.scheduler_timeout)
     if info.model != model_name(config.model):
         log.warning(
@@ -60,10 +60,10 @@ async def _load_pipeline(
             frontend=model_name(config.model),
             workers=info.model,
         )
-    eos = hf_tokenizer.eos_token_id
+    eos = model_tokenizer.eos_token_id
     if eos is None:
         eos = next(iter(read_generation_eos(model_dir)), None)
-    tokenizer = PromptTokenizer(hf_tokenizer, info.vocab_size, info.max_model_len)
+    tokenizer = PromptTokenizer(model_tokenizer, info.vocab_size, info.max_model_len)
     model = ModelDescription(
         name=info.model,
         architecture=info.architecture,

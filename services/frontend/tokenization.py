@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
-
-from engine_core.prompt_checks import apply_chat_template, check_token_ids
+from engine_core.prompt_checks import check_token_ids
+from engine_core.tokenizer import Tokenizer
 from services.frontend.request import PromptInput, RequestError
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
+        return self.tokenizer.has_chat_template
 
     def encode(self, prompt: PromptInput, check_length: bool = True) -> tuple[str | None, list[int]]:
         """(prompt text if known, token ids); RequestError(INVALID_ARGUMENT) naming the field when unusable."""
@@ -27,7 +26,7 @@ class PromptTokenizer:
             raise RequestError.invalid(f"{prompt.field} is required (exactly one of text, token ids or messages)")
         if prompt.text is not None:
             text: str | None = prompt.text
-            ids = list(self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens))
+            ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
         elif prompt.token_ids is not None:
             text, ids = None, list(prompt.token_ids)
             try:
@@ -56,9 +55,9 @@ class PromptTokenizer:
             raise RequestError.invalid(f"{prompt.field}: the model has no chat template; send text or token ids")
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:
-            return apply_chat_template(self.tokenizer, conversation, prompt.add_generation_prompt)
+            return self.tokenizer.apply_chat_template(conversation, prompt.add_generation_prompt)
         except Exception as e:  # NOTE: jinja templates raise anything (e.g. "roles must alternate")
             raise RequestError.invalid(f"{prompt.field}: the chat template rejected the messages: {e}") from e
 
     def tokens(self, ids: list[int]) -> list[str]:
-        return list(self.tokenizer.convert_ids_to_tokens(ids))
+        return self.tokenizer.convert_ids_to_tokens(ids)

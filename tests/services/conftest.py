@@ -17,8 +17,11 @@ KV_CACHE_GIB = 0.5
 
 
 @pytest.fixture(scope="session")
-def cluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    # NOTE: smollm2_dir first: the GGUF conversion is cached before three processes look for it at once.
+def cluster(
+    smollm2_dir: str, smollm2_tokenizer: object, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    # NOTE: smollm2_dir and smollm2_tokenizer first: the GGUF conversion and the tokenizer snapshot are cached before
+    # three processes look for them at once (and the frontend starts as it does after a first start).
     log_dir = tmp_path_factory.mktemp("service-logs")
     config = LaunchConfig.on_loopback(
         dtype="float32",

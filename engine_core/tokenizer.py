@@ -1,0 +1,136 @@
+"""A model's tokenizer as transformers builds it, run without transformers (and so without torch).
+
+transformers builds a tokenizer from a model directory with many rules of its own (the class named in
+tokenizer_config.json may rebuild the pipeline from vocab and merges, missing special tokens are added, the post
+processor is updated, truncation and padding are switched off per call). Replaying those rules here would drift
+from transformers; instead, transformers builds the tokenizer once (`write_snapshot`) and the resulting Rust
+`tokenizers.Tokenizer` is saved with the few things its Python wrapper adds: the named special tokens, the chat
+template and the EOS id. `Tokenizer.load` reads that snapshot with `tokenizers` alone: encode and decode are the
+same Rust object's calls transformers makes, and chat templates render in transformers' jinja environment
+(`chat_template.py`).
+
+NOTE: why: importing transformers' tokenizer stack imports torch (configuration_utils -> modeling_rope_utils), ~3 s of
+CPU and ~250 MB in the frontend, which needs neither (measured in decisions.md, session 14).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+
+from engine_core.chat_template import ChatTemplate
+
+BACKEND_FILE = "backend.json"  # the Rust tokenizer, `tokenizers.Tokenizer.to_str()`
+INFO_FILE = "info.json"  # TokenizerInfo
+SNAPSHOT_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    """What transformers' wrapper adds to the Rust tokenizer, as saved in a snapshot."""
+
+    special_tokens: dict[str, str]  # bos_token, eos_token, ... -> text: variables of the chat template
+    chat_template: str | None
+    eos_token_id: int | None
+    split_special_tokens: bool  # encode special tokens' text as plain text (transformers' flag; usually False)
+    transformers_version: str
+
+
+class Tokenizer:
+    """encode / decode / chat template of one model, with transformers' results for the same calls."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, info: TokenizerInfo) -> None:
+        # NOTE: transformers switches both off for every call that asks for neither, as every call here does.
+        backend.no_truncation()
+        backend.no_padding()
+        backend.encode_special_tokens = info.split_special_tokens
+        self.backend_tokenizer = backend  # the name transformers uses (detokenizer.decode_function reads it)
+        self.info = info
+        self.eos_token_id = info.eos_token_id
+        self.chat_template = info.chat_template
+        self._template = ChatTemplate(info.chat_template) if info.chat_template else None
+
+    @classmethod
+    def load(cls, snapshot_dir: str | Path) -> Tokenizer:
+        d = Path(snapshot_dir)
+        info = json.loads((d / INFO_FILE).read_text())
+        if info.pop("format", None) != SNAPSHOT_FORMAT:
+            raise ValueError(f"{d}: not a tokenizer snapshot of format {SNAPSHOT_FORMAT}")
+        return cls(tokenizers.Tokenizer.from_file(str(d / BACKEND_FILE)), TokenizerInfo(**info))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        # NOTE: transformers' `clean_up_tokenization_spaces` is not applied: it is off for the models served here
+        # (and transformers 5 ignores it for BPE tokenizers); vLLM's detokenizer does not apply it either.
+        return self.backend_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
+        return [self.backend_tokenizer.id_to_token(int(i)) for i in ids]
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("the model has no chat template")
+        return self._template.render(messages, add_generation_prompt, self.info.special_tokens)
+
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """transformers' `apply_chat_template(messages, add_generation_prompt=..., tokenize=True)`: the rendered
+        chat, encoded without special tokens added (the template writes its own)."""
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _chosen_template(template: str | dict[str, str] | None) -> str | None:
+    # NOTE: transformers' `get_chat_template` without a name: a model with several named templates uses "default".
+    if isinstance(template, dict):
+        return template.get("default")
+    return template
+
+
+def write_snapshot(source_dir: str, target: Path) -> None:
+    """Builds the tokenizer of `source_dir` with transformers and saves it as a snapshot at `target` (atomically:
+    processes writing it at once all end with a complete one)."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from engine_core.model_config import read_config_file
+
+    # NOTE: AutoTokenizer reads only the config's model_type, tokenizer_class and name to choose the tokenizer
+    # class, so the base config chooses exactly as the model's own class would (tests/test_model_files.py).
+    hf = AutoTokenizer.from_pretrained(source_dir, config=read_config_file(source_dir))
+    backend = getattr(hf, "backend_tokenizer", None)
+    if backend is None:
+        raise ValueError(f"{source_dir}: transformers has no fast (Rust) tokenizer for this model")
+    info = TokenizerInfo(
+        special_tokens=dict(hf.special_tokens_map),
+        chat_template=_chosen_template(getattr(hf, "chat_template", None)),
+        eos_token_id=hf.eos_token_id,
+        split_special_tokens=bool(getattr(hf, "split_special_tokens", False)),
+        transformers_version=transformers.__version__,
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tokenizer-"))
+    try:
+        (tmp / BACKEND_FILE).write_text(backend.to_str())
+        (tmp / INFO_FILE).write_text(json.dumps({"format": SNAPSHOT_FORMAT, **info.__dict__}, indent=1))
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / INFO_FILE).is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
