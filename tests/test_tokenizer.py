@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -200,6 +201,22 @@ def test_a_model_without_a_chat_template_says_so(smollm2_dir: str, tmp_path: Pat
     assert not tok.has_chat_template
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_several_threads_encode_at_once(smollm2_tokenizer: Tokenizer) -> None:
+    """The frontend may tokenize on several threads (`--tokenizer-threads`): nothing changes the Rust tokenizer per
+    call (transformers' wrapper did, and raised "Already borrowed" from several threads)."""
+    text = "héllo wörld <|im_start|>user Hi 日本語 " * 100
+    chat = [{"role": "user", "content": text}]
+    expected = (smollm2_tokenizer.encode(text), smollm2_tokenizer.apply_chat_template(chat))
+
+    def work(_: int) -> bool:
+        return all(
+            (smollm2_tokenizer.encode(text), smollm2_tokenizer.apply_chat_template(chat)) == expected for _ in range(50)
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(work, range(8)))
 
 
 def test_loading_a_snapshot_imports_neither_transformers_nor_torch(smollm2_dir: str) -> None:

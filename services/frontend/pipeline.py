@@ -83,8 +83,8 @@ class RequestPipeline:
         self.draining = False
         self._background: set[asyncio.Task[None]] = set()
         # NOTE: tokenization and chat templates take milliseconds to seconds for long prompts: off the event loop,
-        # so other streams and health checks keep flowing. One thread by default: HF tokenizers are not safe to
-        # call concurrently from several threads ("Already borrowed").
+        # so other streams and health checks keep flowing. Several threads are safe (`Tokenizer` never changes the
+        # Rust tokenizer's settings per call, as transformers' wrapper did: "Already borrowed"); one by default.
         self._tokenize_pool = ThreadPoolExecutor(policy.tokenizer_threads, thread_name_prefix="tokenize")
 
     # ---- admission ----------------------------------------------------------------------------------------------
