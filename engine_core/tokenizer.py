@@ -10,7 +10,7 @@ same Rust object's calls transformers makes, and chat templates render in transf
 (`chat_template.py`).
 
 NOTE: why: importing transformers' tokenizer stack imports torch (configuration_utils -> modeling_rope_utils), ~3 s of
-CPU and ~250 MB in the frontend, which needs neither (measured in decisions.md, session 14).
+CPU and ~240 MB in the frontend, which needs neither (measured in decisions.md, session 14).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +126,7 @@ def write_snapshot(source_dir: str, target: Path) -> None:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tokenizer-"))
     try:
         (tmp / BACKEND_FILE).write_text(backend.to_str())
-        (tmp / INFO_FILE).write_text(json.dumps({"format": SNAPSHOT_FORMAT, **info.__dict__}, indent=1))
+        (tmp / INFO_FILE).write_text(json.dumps({"format": SNAPSHOT_FORMAT, **asdict(info)}, indent=1))
         try:
             os.rename(tmp, target)
         except OSError:
