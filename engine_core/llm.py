@@ -18,7 +18,7 @@ from engine_core.prompt_checks import check_token_ids
 from engine_core.request import FinishReason, Request
 from engine_core.request_output import RequestMetrics, RequestOutput
 from engine_core.sampling_params import SamplingParams, with_eos
-from engine_core.tokenizer import Tokenizer
+from engine_core.tokenizer import Tokenizer, hf_tokenizer
 
 PromptType = str | dict[str, Any]
 ChatMessages = list[dict[str, str]]
@@ -29,6 +29,7 @@ class LoadedEngine:
     core: EngineCore
     runner: ModelRunner
     tokenizer: Tokenizer
+    tokenizer_dir: str
     model_name: str
     eos_token_id: int | None
 
@@ -37,29 +38,38 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
     """Resolves the model, loads the runner and sizes the KV cache: the one-process engine."""
     model_dir = resolve_model_dir(config.model, config.cache_dir)
     runner = ModelRunner(config, model_dir)  # NOTE: first: it starts the weights' disk read (prefetch_weights)
-    tokenizer = load_tokenizer(config.tokenizer or model_dir, config.cache_dir)
+    tokenizer_dir = config.tokenizer or model_dir
+    tokenizer = load_tokenizer(tokenizer_dir, config.cache_dir)
     num_blocks = runner.profile_num_blocks()
     runner.init_kv_cache(num_blocks)
     core = EngineCore(config, runner, runner.max_model_len, num_blocks)
     eos = tokenizer.eos_token_id
     if eos is None:
         eos = next(iter(read_generation_eos(model_dir)), None)
-    return LoadedEngine(core, runner, tokenizer, model_name(config.model), eos)
+    return LoadedEngine(core, runner, tokenizer, tokenizer_dir, model_name(config.model), eos)
 
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_args)
         self.engine = load_engine(self.config)
-        self.tokenizer = self.engine.tokenizer
+        self.tokenizer = self.engine.tokenizer  # what the engine tokenizes and detokenizes with
+        self._hf_tokenizer: Any = None
         self._ids = itertools.count()
 
     @property
     def core(self) -> EngineCore:
         return self.engine.core
 
-    def get_tokenizer(self) -> Tokenizer:
-        return self.tokenizer
+    def get_tokenizer(self) -> Any:
+        """transformers' tokenizer of the model, as vLLM's `LLM.get_tokenizer()` returns (loaded on the first call).
+
+        NOTE: the engine itself uses `self.tokenizer`, a snapshot of this same tokenizer that runs without
+        transformers (engine_core/tokenizer.py); both give the same ids and text (tests/test_tokenizer.py).
+        """
+        if self._hf_tokenizer is None:
+            self._hf_tokenizer = hf_tokenizer(self.engine.tokenizer_dir)
+        return self._hf_tokenizer
 
     def generate(
         self,

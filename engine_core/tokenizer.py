@@ -101,17 +101,23 @@ def _chosen_template(template: str | dict[str, str] | None) -> str | None:
     return template
 
 
-def write_snapshot(source_dir: str, target: Path) -> None:
-    """Builds the tokenizer of `source_dir` with transformers and saves it as a snapshot at `target` (atomically:
-    processes writing it at once all end with a complete one)."""
-    import transformers
+def hf_tokenizer(source_dir: str) -> Any:
+    """transformers' own tokenizer of `source_dir` (imports transformers, and with it torch)."""
     from transformers import AutoTokenizer
 
     from engine_core.model_config import read_config_file
 
     # NOTE: AutoTokenizer reads only the config's model_type, tokenizer_class and name to choose the tokenizer
-    # class, so the base config chooses exactly as the model's own class would (tests/test_model_files.py).
-    hf = AutoTokenizer.from_pretrained(source_dir, config=read_config_file(source_dir))
+    # class, so the base config chooses exactly as the model's own class would (tests/test_tokenizer.py).
+    return AutoTokenizer.from_pretrained(source_dir, config=read_config_file(source_dir))
+
+
+def write_snapshot(source_dir: str, target: Path) -> None:
+    """Builds the tokenizer of `source_dir` with transformers and saves it as a snapshot at `target` (atomically:
+    processes writing it at once all end with a complete one)."""
+    import transformers
+
+    hf = hf_tokenizer(source_dir)
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         raise ValueError(f"{source_dir}: transformers has no fast (Rust) tokenizer for this model")

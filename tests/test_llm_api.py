@@ -143,3 +143,16 @@ def test_a_script_that_drops_its_llm_exits_cleanly(smollm2_dir: str) -> None:
     done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "generated 4" in done.stdout
+
+
+def test_get_tokenizer_is_transformers_tokenizer_of_the_engine(llm: LLM) -> None:
+    """As vLLM's: the user gets transformers' tokenizer; the engine's own snapshot gives the same ids."""
+    from transformers import PreTrainedTokenizerBase
+
+    hf = llm.get_tokenizer()
+    assert isinstance(hf, PreTrainedTokenizerBase) and llm.get_tokenizer() is hf
+    text = "héllo <|im_start|>user\nHi 日本語"
+    assert hf.encode(text) == llm.tokenizer.encode(text)
+    chat = [{"role": "user", "content": "Hi there"}]
+    ids = hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    assert list(ids["input_ids"] if hasattr(ids, "keys") else ids) == llm.apply_chat_template(chat)

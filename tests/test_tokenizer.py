@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from engine_core.model_files import load_tokenizer, tokenizer_snapshot_dir
-from engine_core.tokenizer import INFO_FILE, Tokenizer
+from engine_core.tokenizer import INFO_FILE, Tokenizer, hf_tokenizer
 from tests.conftest import CACHE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +88,17 @@ def test_decode_and_tokens_equal_transformers(
         ids, skip_special_tokens=skip
     )
     assert smollm2_tokenizer.convert_ids_to_tokens(ids) == smollm2_hf_tokenizer.convert_ids_to_tokens(ids)
+
+
+@pytest.mark.parametrize("tokenizer_class", [None, "GPT2Tokenizer"])
+def test_the_base_config_chooses_transformers_class(
+    smollm2_dir: str, tmp_path: Path, tokenizer_class: str | None
+) -> None:
+    """`hf_tokenizer` passes config.json in transformers' base class (no model-config import): AutoTokenizer
+    picks the class it picks with the model's own config class."""
+    extra = {"tokenizer_class": tokenizer_class} if tokenizer_class else {}
+    d = _copy_tokenizer(smollm2_dir, tmp_path / "tok", **extra)
+    assert type(hf_tokenizer(str(d))) is type(AutoTokenizer.from_pretrained(d))
 
 
 def test_special_ids_equal_transformers(smollm2_tokenizer: Tokenizer, smollm2_hf_tokenizer: Any) -> None:
