@@ -11,14 +11,14 @@ from tqdm.auto import tqdm
 
 from engine_core.config import EngineConfig
 from engine_core.engine import EngineCore
-from engine_core.model_files import load_tokenizer, model_name, read_generation_eos, resolve_model_dir
+from engine_core.model_files import model_name, read_generation_eos, resolve_model_dir
 from engine_core.model_runner import ModelRunner
 from engine_core.output_processor import OutputProcessor
 from engine_core.prompt_checks import check_token_ids
 from engine_core.request import FinishReason, Request
 from engine_core.request_output import RequestMetrics, RequestOutput
 from engine_core.sampling_params import SamplingParams, with_eos
-from engine_core.tokenizer import Tokenizer, hf_tokenizer
+from engine_core.tokenizer import Tokenizer, hf_tokenizer, load_tokenizer
 
 PromptType = str | dict[str, Any]
 ChatMessages = list[dict[str, str]]

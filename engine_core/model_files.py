@@ -1,16 +1,13 @@
-"""Finds a model's files and its tokenizer: no weights, no torch, no transformers once the cache holds what a first
-start writes (the frontend imports this much only).
+"""Finds a model's files: no weights, no torch, no transformers once the cache holds what a first start writes.
 
 A model is an HF directory (config.json + safetensors) or a GGUF file. For a GGUF file, transformers writes its
 config and tokenizer once (~12 s for SmolLM2) into a directory under the cache dir, which links to the file
 (model_dir.py); the weights are decoded from the file at each load (gguf_weights.py), never stored as float32.
-The tokenizer is built by transformers once per model directory and read back from a snapshot (tokenizer.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -21,7 +18,6 @@ from pathlib import Path
 import structlog
 
 from engine_core.model_dir import GGUF_LINK
-from engine_core.tokenizer import INFO_FILE, Tokenizer, write_snapshot
 
 log = structlog.get_logger(__name__)
 
@@ -110,54 +106,6 @@ def resolve_model_dir(model: str | None, cache_dir: str) -> str:
         f"model {model!r} is neither a .gguf file nor a directory with config.json "
         "(weights are never downloaded from a hub)"
     )
-
-
-# NOTE: part of a tokenizer snapshot's key, with the files transformers reads to build a tokenizer: a snapshot is
-# rebuilt when any of them, or transformers' version, changes.
-_TOKENIZER_FORMAT = "tokenizer-snapshot-1"
-_TOKENIZER_SOURCES = (
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "config.json",
-    "merges.txt",
-    "special_tokens_map.json",
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "vocab.json",
-)
-
-
-def tokenizer_snapshot_dir(model_dir: str, cache_dir: str) -> Path:
-    source = Path(model_dir).resolve()
-    parts = [_TOKENIZER_FORMAT, str(source), importlib.metadata.version("transformers")]
-    for name in _TOKENIZER_SOURCES:
-        if (source / name).is_file():
-            stat = (source / name).stat()
-            parts.append(f"{name}:{stat.st_size}:{stat.st_mtime_ns}")
-    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
-    return Path(cache_dir) / "tokenizers" / f"{source.name}-{key}"
-
-
-def load_tokenizer(model_dir: str, cache_dir: str) -> Tokenizer:
-    """The tokenizer of `model_dir`; transformers builds it on first use only (`tokenizer.write_snapshot`)."""
-    snapshot = tokenizer_snapshot_dir(model_dir, cache_dir)
-    if not (snapshot / INFO_FILE).is_file():
-        log.info("building the tokenizer with transformers (once; cached afterwards)", model_dir=model_dir)
-        try:
-            write_snapshot(model_dir, snapshot)
-        except OSError as e:
-            # NOTE: a read-only cache (the chart mounts the image's so) still serves: the snapshot is built for this
-            # process only, at the cost of transformers' import at every start.
-            log.warning("tokenizer snapshot not cached: cache not writable", cache_dir=cache_dir, error=str(e))
-            tmp = Path(tempfile.mkdtemp(prefix="pagoda-tokenizer-"))
-            try:
-                write_snapshot(model_dir, tmp / "snapshot")
-                return Tokenizer.load(tmp / "snapshot")  # NOTE: reads every file: the directory can go
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-    return Tokenizer.load(snapshot)
 
 
 def read_generation_eos(model_dir: str) -> list[int]:

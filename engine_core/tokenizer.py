@@ -3,7 +3,7 @@
 transformers builds a tokenizer from a model directory with many rules of its own (the class named in
 tokenizer_config.json may rebuild the pipeline from vocab and merges, missing special tokens are added, the post
 processor is updated, truncation and padding are switched off per call). Replaying those rules here would drift
-from transformers; instead, transformers builds the tokenizer once (`write_snapshot`) and the resulting Rust
+from transformers; instead, transformers builds the tokenizer once (`build_snapshot`) and the resulting Rust
 `tokenizers.Tokenizer` is saved with the few things its Python wrapper adds: the named special tokens, the chat
 template and the EOS id. `Tokenizer.load` reads that snapshot with `tokenizers` alone: encode and decode are the
 same Rust object's calls transformers makes, and chat templates render in transformers' jinja environment
@@ -15,6 +15,8 @@ CPU and ~240 MB in the frontend, which needs neither (measured in decisions.md, 
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -24,9 +26,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import tokenizers
 
 from engine_core.chat_template import ChatTemplate
+
+log = structlog.get_logger(__name__)
 
 BACKEND_FILE = "backend.json"  # the Rust tokenizer, `tokenizers.Tokenizer.to_str()`
 INFO_FILE = "info.json"  # TokenizerInfo
@@ -54,8 +59,6 @@ class Tokenizer:
         backend.encode_special_tokens = info.split_special_tokens
         self.backend_tokenizer = backend  # the name transformers uses (detokenizer.decode_function reads it)
         self.info = info
-        self.eos_token_id = info.eos_token_id
-        self.chat_template = info.chat_template
         self._template = ChatTemplate(info.chat_template) if info.chat_template else None
 
     @classmethod
@@ -65,6 +68,10 @@ class Tokenizer:
         if info.pop("format", None) != SNAPSHOT_FORMAT:
             raise ValueError(f"{d}: not a tokenizer snapshot of format {SNAPSHOT_FORMAT}")
         return cls(tokenizers.Tokenizer.from_file(str(d / BACKEND_FILE)), TokenizerInfo(**info))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.info.eos_token_id
 
     @property
     def has_chat_template(self) -> bool:
@@ -112,9 +119,8 @@ def hf_tokenizer(source_dir: str) -> Any:
     return AutoTokenizer.from_pretrained(source_dir, config=read_config_file(source_dir))
 
 
-def write_snapshot(source_dir: str, target: Path) -> None:
-    """Builds the tokenizer of `source_dir` with transformers and saves it as a snapshot at `target` (atomically:
-    processes writing it at once all end with a complete one)."""
+def build_snapshot(source_dir: str) -> tuple[tokenizers.Tokenizer, TokenizerInfo]:
+    """transformers' tokenizer of `source_dir`, as what a snapshot holds: its Rust tokenizer and the wrapper's info."""
     import transformers
 
     hf = hf_tokenizer(source_dir)
@@ -128,6 +134,11 @@ def write_snapshot(source_dir: str, target: Path) -> None:
         split_special_tokens=bool(getattr(hf, "split_special_tokens", False)),
         transformers_version=transformers.__version__,
     )
+    return backend, info
+
+
+def save_snapshot(backend: tokenizers.Tokenizer, info: TokenizerInfo, target: Path) -> None:
+    """Writes a snapshot at `target` atomically: processes writing it at once all end with a complete one."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tokenizer-"))
     try:
@@ -140,3 +151,47 @@ def write_snapshot(source_dir: str, target: Path) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# NOTE: part of a snapshot's key, with the files transformers reads to build a tokenizer: a snapshot is rebuilt when
+# any of them, or transformers' version, changes.
+_SNAPSHOT_KEY_FORMAT = "tokenizer-snapshot-1"
+_TOKENIZER_SOURCES = (
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "config.json",
+    "merges.txt",
+    "special_tokens_map.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "vocab.json",
+)
+
+
+def snapshot_dir(model_dir: str, cache_dir: str) -> Path:
+    source = Path(model_dir).resolve()
+    parts = [_SNAPSHOT_KEY_FORMAT, str(source), importlib.metadata.version("transformers")]
+    for name in _TOKENIZER_SOURCES:
+        if (source / name).is_file():
+            stat = (source / name).stat()
+            parts.append(f"{name}:{stat.st_size}:{stat.st_mtime_ns}")
+    key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+    return Path(cache_dir) / "tokenizers" / f"{source.name}-{key}"
+
+
+def load_tokenizer(model_dir: str, cache_dir: str) -> Tokenizer:
+    """The tokenizer of `model_dir`, from its snapshot in the cache; transformers builds it on first use only."""
+    snapshot = snapshot_dir(model_dir, cache_dir)
+    if not (snapshot / INFO_FILE).is_file():
+        log.info("building the tokenizer with transformers (once; cached afterwards)", model_dir=model_dir)
+        backend, info = build_snapshot(model_dir)
+        try:
+            save_snapshot(backend, info, snapshot)
+        except OSError as e:
+            # NOTE: a read-only cache (the chart mounts the image's so) still serves, with the tokenizer just built:
+            # at the cost of transformers' import at every start.
+            log.warning("tokenizer snapshot not cached: cache not writable", cache_dir=cache_dir, error=str(e))
+            return Tokenizer(backend, info)
+    return Tokenizer.load(snapshot)

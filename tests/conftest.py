@@ -33,7 +33,7 @@ def smollm2_dir() -> str:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir: str):
     """Pagoda's tokenizer of the model (a snapshot of transformers' one, read without transformers)."""
-    from engine_core.model_files import load_tokenizer
+    from engine_core.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_dir, CACHE_DIR)
 

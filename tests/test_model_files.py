@@ -86,7 +86,7 @@ def test_loading_the_default_model_leaves_transformers_model_configs_unimported(
     code = (
         "import sys\n"
         "from engine_core.model_loader import load_config\n"
-        "from engine_core.model_files import load_tokenizer\n"
+        "from engine_core.tokenizer import load_tokenizer\n"
         f"load_config({smollm2_dir!r}); load_tokenizer({smollm2_dir!r}, {CACHE_DIR!r})\n"
         "heavy = [m for m in ('transformers.integrations.hub_kernels', 'torch._dynamo') if m in sys.modules]\n"
         "assert not heavy, heavy\n"

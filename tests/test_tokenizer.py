@@ -19,8 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from engine_core.model_files import load_tokenizer, tokenizer_snapshot_dir
-from engine_core.tokenizer import INFO_FILE, Tokenizer, hf_tokenizer
+from engine_core.tokenizer import INFO_FILE, Tokenizer, hf_tokenizer, load_tokenizer, snapshot_dir
 from tests.conftest import CACHE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,11 +187,11 @@ def test_truncation_and_padding_in_the_file_apply_to_no_call(smollm2_dir: str, t
 
 def test_the_snapshot_is_reused_and_rebuilt_when_the_files_change(smollm2_dir: str, tmp_path: Path) -> None:
     d, cache = _copy_tokenizer(smollm2_dir, tmp_path / "tok"), str(tmp_path / "cache")
-    first = tokenizer_snapshot_dir(str(d), cache)
+    first = snapshot_dir(str(d), cache)
     assert load_tokenizer(str(d), cache).has_chat_template and (first / INFO_FILE).is_file()
-    assert tokenizer_snapshot_dir(str(d), cache) == first
+    assert snapshot_dir(str(d), cache) == first
     (d / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
-    second = tokenizer_snapshot_dir(str(d), cache)
+    second = snapshot_dir(str(d), cache)
     assert second != first
     assert load_tokenizer(str(d), cache).render_chat([{"role": "user", "content": "x"}]) == "[x]"
     assert Tokenizer.load(first).render_chat([{"role": "user", "content": "x"}]).startswith("<|im_start|>system")
@@ -234,7 +233,7 @@ def test_loading_a_snapshot_imports_neither_transformers_nor_torch(smollm2_dir: 
     load_tokenizer(smollm2_dir, CACHE_DIR)  # the snapshot exists from here on
     code = (
         "import sys\n"
-        "from engine_core.model_files import load_tokenizer\n"
+        "from engine_core.tokenizer import load_tokenizer\n"
         f"tok = load_tokenizer({smollm2_dir!r}, {CACHE_DIR!r})\n"
         "assert tok.apply_chat_template([{'role': 'user', 'content': 'Hi'}])\n"
         "print(sorted({'torch', 'transformers'} & set(sys.modules)))\n"

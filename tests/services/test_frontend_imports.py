@@ -1,4 +1,5 @@
-"""The frontend process loads tokenizer-level code only: no model, runner, attention or kernels (nor Triton)."""
+"""The frontend process loads tokenizer-level code only: no model, runner, attention or kernels (nor Triton), and
+neither torch nor transformers (its tokenizer is a snapshot run with `tokenizers`: engine_core/tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ def test_frontend_imports_no_model_code() -> None:
     code = (
         "import sys, services.frontend.server\n"
         "bad = [m for m in sys.modules if m.startswith(('kernels', 'triton', 'engine_core.model_runner',"
-        " 'engine_core.models', 'engine_core.attention', 'engine_core.llm', 'engine_core.model_loader'))]\n"
+        " 'engine_core.models', 'engine_core.attention', 'engine_core.llm', 'engine_core.model_loader',"
+        " 'torch', 'transformers'))]\n"
         "print(' '.join(sorted(bad)))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
