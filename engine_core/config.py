@@ -58,7 +58,7 @@ class EngineConfig:
     # Model execution
     attention_backend: str | None = _opt(None, "cpu | torch | triton (default: by device)")
     enforce_eager: bool = _opt(False, "no CUDA graphs: decode steps launch every kernel (CUDA + triton backend only)")
-    num_threads: int | None = _opt(None, "torch intra-op threads on CPU (default: torch's)")
+    num_threads: int | None = _opt(None, "torch intra-op threads on CPU (default: torch's, capped by a CPU limit)")
     cache_dir: str = field(default_factory=default_cache_dir, metadata={"help": f"${CACHE_ENV}"})
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
 from engine_core.cuda_graphs import CudaGraphDecodeStep, capture_sizes
 from engine_core.device_inputs import DeviceInputs, step_input_specs
+from engine_core.host_cpus import usable_cpus
 from engine_core.host_memory import zeroed_host_tensor
 from engine_core.input_batch import InputBatch, StepInputs
 from engine_core.kv_prefault import KvPrefaulter
@@ -76,8 +77,11 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.resolved_dtype]
-        if config.num_threads and self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            # NOTE: by default torch's team, no larger than a container's CPU limit (host_cpus.py)
+            threads = config.num_threads or min(torch.get_num_threads(), usable_cpus())
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
         prefetch_weights(model_dir)  # the disk read overlaps the config import and the model's construction
         hf = load_config(model_dir)
         self.hf_config = hf

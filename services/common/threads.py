@@ -18,27 +18,22 @@ from __future__ import annotations
 import os
 import sys
 
+from engine_core.host_cpus import usable_cpus
+
 # NOTE: read by libgomp / MKL when torch is first imported, hence set before any service module is imported.
 CONTROL_PROCESS_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity: a container's cpuset, `taskset`), not the host's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
 def default_worker_threads(num_workers: int = 1) -> int:
-    """Torch threads per worker of `pagoda serve`: the usable cores shared by the workers, none held back.
+    """Torch threads per worker of `pagoda serve`: the usable CPUs (affinity, capped by a CPU limit) shared by the
+    workers, none held back.
 
     NOTE: measured on 2 cores (docs/benchmarks.md, "`pagoda serve` thread placement"): holding a core back for the
     scheduler and frontend (the old default, cores - 1) cost 38 % of the throughput at 64 streams (243 vs 390 total
     tok/s), while those two processes use a fraction of one core (CPU seconds per 1,000 tokens in
     benchmarks/side_by_side.py) once they neither spin nor run OpenMP teams of their own.
     """
-    return max(1, usable_cores() // max(1, num_workers))
+    return max(1, usable_cpus() // max(1, num_workers))
 
 
 def limit_control_process_threads() -> None:
