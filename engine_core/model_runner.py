@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -78,8 +79,11 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.resolved_dtype]
         if self.device.type == "cpu":
-            # NOTE: by default torch's team, no larger than a container's CPU limit (host_cpus.py)
-            threads = config.num_threads or min(torch.get_num_threads(), usable_cpus())
+            # NOTE: by default torch's team, no larger than a container's CPU limit (host_cpus.py); a team size the
+            # user chose (num_threads, OMP_NUM_THREADS) is kept
+            threads = config.num_threads or torch.get_num_threads()
+            if not config.num_threads and "OMP_NUM_THREADS" not in os.environ:
+                threads = min(threads, usable_cpus())
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         prefetch_weights(model_dir)  # the disk read overlaps the config import and the model's construction
