@@ -79,7 +79,7 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def plain_data(value: Any) -> Any:
+def _plain_data(value: Any) -> Any:
     """What a template may see: JSON-like values rebuilt from their base types; anything else a placeholder naming
     its type (objects with methods the sandbox does not know to be dangerous never reach it)."""
     if value is None or type(value) in (str, int, float, bool):
@@ -92,11 +92,11 @@ def plain_data(value: Any) -> Any:
     if isinstance(value, float):
         return float.__float__(value)
     if isinstance(value, Mapping):
-        return {plain_data(k): plain_data(v) for k, v in value.items()}
+        return {_plain_data(k): _plain_data(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [plain_data(v) for v in value]
+        return [_plain_data(v) for v in value]
     if isinstance(value, tuple):
-        return tuple(plain_data(v) for v in value)
+        return tuple(_plain_data(v) for v in value)
     return f"<{type(value).__name__}>"
 
 
@@ -115,11 +115,11 @@ class ChatTemplate:
     ) -> str:
         # NOTE: as transformers: keys whose value is None are dropped (OpenAI clients send `content: null`, which many
         # templates would render as "None"), and the special tokens (bos_token, ...) are template variables.
-        chat = [plain_data({k: v for k, v in m.items() if v is not None}) for m in messages]
+        chat = [_plain_data({k: v for k, v in m.items() if v is not None}) for m in messages]
         return self.template.render(
             messages=chat,
             tools=None,
             documents=None,
             add_generation_prompt=add_generation_prompt,
-            **plain_data(dict(special_tokens)),
+            **_plain_data(dict(special_tokens)),
         )

@@ -35,7 +35,7 @@ log = structlog.get_logger(__name__)
 
 BACKEND_FILE = "backend.json"  # the Rust tokenizer, `tokenizers.Tokenizer.to_str()`
 INFO_FILE = "info.json"  # TokenizerInfo
-SNAPSHOT_FORMAT = 1
+SNAPSHOT_FORMAT = 2  # in info.json and in the snapshot's key, so a new format is a new snapshot
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,6 @@ class TokenizerInfo:
     chat_template: str | None
     eos_token_id: int | None
     split_special_tokens: bool  # encode special tokens' text as plain text (transformers' flag; usually False)
-    transformers_version: str
 
 
 class Tokenizer:
@@ -121,8 +120,6 @@ def hf_tokenizer(source_dir: str) -> Any:
 
 def build_snapshot(source_dir: str) -> tuple[tokenizers.Tokenizer, TokenizerInfo]:
     """transformers' tokenizer of `source_dir`, as what a snapshot holds: its Rust tokenizer and the wrapper's info."""
-    import transformers
-
     hf = hf_tokenizer(source_dir)
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
@@ -132,7 +129,6 @@ def build_snapshot(source_dir: str) -> tuple[tokenizers.Tokenizer, TokenizerInfo
         chat_template=_chosen_template(getattr(hf, "chat_template", None)),
         eos_token_id=hf.eos_token_id,
         split_special_tokens=bool(getattr(hf, "split_special_tokens", False)),
-        transformers_version=transformers.__version__,
     )
     return backend, info
 
@@ -153,9 +149,8 @@ def save_snapshot(backend: tokenizers.Tokenizer, info: TokenizerInfo, target: Pa
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# NOTE: part of a snapshot's key, with the files transformers reads to build a tokenizer: a snapshot is rebuilt when
-# any of them, or transformers' version, changes.
-_SNAPSHOT_KEY_FORMAT = "tokenizer-snapshot-1"
+# NOTE: a snapshot's key covers these files (those transformers reads to build a tokenizer), transformers' version
+# and the snapshot format: a snapshot is rebuilt when any of them changes.
 _TOKENIZER_SOURCES = (
     "added_tokens.json",
     "chat_template.jinja",
@@ -172,7 +167,7 @@ _TOKENIZER_SOURCES = (
 
 def snapshot_dir(model_dir: str, cache_dir: str) -> Path:
     source = Path(model_dir).resolve()
-    parts = [_SNAPSHOT_KEY_FORMAT, str(source), importlib.metadata.version("transformers")]
+    parts = [f"tokenizer-snapshot-{SNAPSHOT_FORMAT}", str(source), importlib.metadata.version("transformers")]
     for name in _TOKENIZER_SOURCES:
         if (source / name).is_file():
             stat = (source / name).stat()
