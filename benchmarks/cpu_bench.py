@@ -8,8 +8,9 @@
   Q8_0 for the LM head as in the default model; every kernel runs the same random weights, which are such blocks).
 - `attention`: decode attention per layer (9 query / 3 KV heads, head dim 64, block size 16, context lengths
   uniform in [ctx/4, ctx] sorted longest-first as the engine hands them over, one cache per layer so the K/V come
-  from DRAM; block tables in allocation order and shuffled): the torch backend (gather into a workspace + SDPA, in
-  length groups) against the native paged kernel.
+  from DRAM; block tables in allocation order, shuffled, and with 4 shared prefixes): the torch backend (gather into
+  a workspace + SDPA, in length groups) against the native paged kernel. Its GB/s count every row's K/V, so a
+  shared prefix read once from DRAM shows as more than DRAM gives.
 - `prefill`: one layer of prefill attention (same heads, shuffled block tables): gather + SDPA per chunk (the
   `torch` backend's `TorchPrefill`) against the native paged prefill kernel, in causal GFLOP/s (4 * D * H flops
   per visible (query, key) pair).
@@ -146,7 +147,7 @@ def bench_attention() -> list[dict[str, object]]:
     g = torch.Generator().manual_seed(0)
     rows_out: list[dict[str, object]] = []
     print(f"{'batch':>5} {'ctx':>5} {'tables':>10} {'gather+sdpa ms':>15} {'native ms':>10} {'native GB/s':>12}")
-    for batch, ctx in ((1, 200), (1, 4000), (8, 300), (32, 400), (64, 400), (64, 700)):
+    for batch, ctx in ((1, 200), (1, 4000), (8, 300), (32, 400), (64, 400), (64, 700), (64, 1024)):
         lens = torch.randint(ctx // 4, ctx + 1, (batch,), generator=g).sort(descending=True).values.int()
         width = -(-ctx // bs)
         pool = batch * width + 1
@@ -156,10 +157,17 @@ def bench_attention() -> list[dict[str, object]]:
         caches = [torch.randn(2, pool, bs, kv_heads, head_dim, generator=g) for _ in range(layers)]
         q = torch.randn(batch, heads, head_dim, generator=g)
         kv_bytes = int(lens.sum()) * 2 * kv_heads * head_dim * 4
-        # Tables in allocation order (a sequence's blocks consecutive, as a fresh pool hands them out) and shuffled.
-        for order in ("allocation", "shuffled"):
+        # Tables in allocation order (a sequence's blocks consecutive, as a fresh pool hands them out), shuffled, and
+        # (from 16 rows) in allocation order with 4 shared prefixes: row i's first blocks, as many as the shortest
+        # row fills, are prefix i % 4's, as the prefix cache hands them to requests with a common system prompt.
+        for order in ("allocation", "shuffled", "prefixes")[: 3 if batch >= 16 else 2]:
             blocks = torch.randperm(pool - 1, generator=g) if order == "shuffled" else torch.arange(pool - 1)
             tables = (blocks[: batch * width] + 1).view(batch, width).int()
+            label = order
+            if order == "prefixes":
+                shared = int(lens.min()) // bs
+                tables[:, :shared] = tables[:4, :shared].repeat(batch // 4, 1)
+                label = f"4x{shared * bs} pre"
             meta = AttentionMetadata(
                 num_decodes=batch,
                 num_prefills=0,
@@ -185,13 +193,13 @@ def bench_attention() -> list[dict[str, object]]:
             row = {
                 "batch": batch,
                 "ctx": ctx,
-                "tables": order,
+                "tables": label,
                 "torch_ms": torch_ms,
                 "native_ms": native_ms,
                 "native_gb_s": kv_bytes / native_ms / 1e6,
             }
             print(
-                f"{batch:>5} {ctx:>5} {order:>10} {torch_ms:>15.3f} {native_ms:>10.3f} {row['native_gb_s']:>12.1f}",
+                f"{batch:>5} {ctx:>5} {label:>10} {torch_ms:>15.3f} {native_ms:>10.3f} {row['native_gb_s']:>12.1f}",
                 flush=True,
             )
             rows_out.append(row)
