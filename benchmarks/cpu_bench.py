@@ -166,7 +166,7 @@ def bench_attention() -> list[dict[str, object]]:
             label = order
             if order == "prefixes":
                 shared = int(lens.min()) // bs
-                tables[:, :shared] = tables[:4, :shared].repeat(batch // 4, 1)
+                tables[:, :shared] = tables[torch.arange(batch) % 4, :shared]
                 label = f"4x{shared * bs} pre"
             meta = AttentionMetadata(
                 num_decodes=batch,

@@ -37,7 +37,10 @@ def cpu_limit(root: Path = _CGROUP, self_cgroup: Path = _SELF_CGROUP) -> float |
         return None
     limits: list[float] = []
     for line in lines:
-        _, controllers, path = line.split(":", 2)
+        parts = line.split(":", 2)
+        if len(parts) != 3:  # not "id:controllers:path": skipped, so a start never fails over this file
+            continue
+        _, controllers, path = parts
         v2 = controllers == ""
         if v2:
             base = root

@@ -45,6 +45,8 @@ def test_cgroup_v1_cfs_quota_in_a_comounted_hierarchy(tmp_path: Path) -> None:
 
 def test_nothing_readable_is_no_limit(tmp_path: Path) -> None:
     assert cpu_limit(tmp_path, tmp_path / "missing") is None
+    write(tmp_path / "self", "garbage\n")
+    assert cpu_limit(tmp_path, tmp_path / "self") is None
     write(tmp_path / "self", "0::/a\n")
     write(tmp_path / "a" / "cpu.max", "garbage\n")
     assert cpu_limit(tmp_path, tmp_path / "self") is None
