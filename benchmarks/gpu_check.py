@@ -392,7 +392,7 @@ def section_throughput(c: Check) -> dict[str, object]:
     wl = c.workload(3 if c.dry_run else 64, 0)
     pagoda, _ = bench.run_pagoda(wl, args)
     _free_gpu_memory()
-    # NOTE: before/after of the mixed-step CUDA graphs (engine_core/mixed_graphs.py) in the same run: steps with
+    # NOTE: before/after of the mixed-step CUDA graphs (engine_core/worker/mixed_graphs.py) in the same run: steps with
     # prefill chunks launched eagerly, decode-only steps still graphs (what sessions 5 and before measured).
     eager_mixed, _ = bench.run_pagoda(wl, argparse.Namespace(**(vars(args) | {"mixed_graphs": False})))
     _free_gpu_memory()

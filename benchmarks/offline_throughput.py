@@ -46,7 +46,7 @@ def run_pagoda(wl: Workload, args: argparse.Namespace) -> tuple[Result, list[lis
     )
     if not getattr(args, "mixed_graphs", True):
         # NOTE: the A/B switch of gpu_check's before/after: steps with prefill chunks run eagerly, as before
-        # engine_core/mixed_graphs.py (decode-only steps still replay their graphs).
+        # engine_core/worker/mixed_graphs.py (decode-only steps still replay their graphs).
         llm.engine.runner.mixed_step = None
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     prompts = [{"prompt_token_ids": p} for p in wl.prompts]
@@ -64,7 +64,7 @@ def run_pagoda(wl: Workload, args: argparse.Namespace) -> tuple[Result, list[lis
 def pagoda_batch1(llm: object, args: argparse.Namespace) -> float:
     """Time per output token after the first (decode only), one request alone in the engine."""
     from engine_core import SamplingParams
-    from engine_core.request import Request
+    from engine_core.core.request import Request
 
     core = llm.core  # type: ignore[attr-defined]
     prompt = batch1_prompt(args.batch1_prompt)
@@ -144,8 +144,8 @@ def main() -> None:
 
     from peer_model import peer_model_dir
 
+    from engine_core.checkpoint.model_files import resolve_model_dir
     from engine_core.config import EngineConfig
-    from engine_core.model_files import resolve_model_dir
 
     wl = make_workload(args.num_requests, args.seed)
     results = [run_pagoda(wl, args)[0]]

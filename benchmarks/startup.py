@@ -41,7 +41,7 @@ def model_load_seconds(log_dir: Path) -> float | None:
 
 
 async def start_once(args: argparse.Namespace, logs: Path, rnd: int) -> tuple[float, float | None]:
-    from engine_core.model_files import model_name
+    from engine_core.checkpoint.model_files import model_name
     from services.launcher import free_port
 
     http, serve_logs = free_port(), logs / f"serve-{rnd}"
@@ -68,9 +68,9 @@ def main() -> None:
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
 
+    from engine_core.checkpoint.model_dir import weight_files
+    from engine_core.checkpoint.model_files import resolve_model_dir
     from engine_core.config import EngineConfig
-    from engine_core.model_dir import weight_files
-    from engine_core.model_files import resolve_model_dir
 
     files = [f.resolve() for f in weight_files(resolve_model_dir(args.model, EngineConfig().cache_dir))]
     logs = Path(tempfile.mkdtemp(prefix="pagoda-startup-"))

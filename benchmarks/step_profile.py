@@ -5,7 +5,7 @@ Runs `LLM.generate` over gpu_check's scaled workload (random SmolLM2-shaped weig
 - the forward's span on the GPU (CUDA events around the step function; when the host is the bottleneck this span
   is about as long as the host time, since the GPU waits for each launch).
 Then one recorded mixed step (decodes + prefill chunks) is run alone: eager (host time to queue, and wall time with
-a sync), through the runner's mixed-step graphs (engine_core/mixed_graphs.py), and captured whole as one CUDA graph
+a sync), through the runner's mixed-step graphs (worker/mixed_graphs.py), and captured whole as one CUDA graph
 of exactly its shape (its replay time is the GPU's floor for that step); and the host cost of single launches (a
 Triton kernel, a torch GEMM, a graph replay) is timed.
 
@@ -47,7 +47,7 @@ class StepRecorder:
     """Wraps the runner's step-function choice: events and host clocks around every forward."""
 
     def __init__(self, runner: object) -> None:
-        import engine_core.model_runner as mr
+        import engine_core.worker.model_runner as mr
 
         self.runner = runner
         self.rows: list[dict[str, object]] = []

@@ -6,7 +6,7 @@ import importlib
 from typing import Any
 
 from engine_core.config import EngineConfig
-from engine_core.request_output import CompletionOutput, Logprob, RequestOutput
+from engine_core.io.request_output import CompletionOutput, Logprob, RequestOutput
 from engine_core.sampling_params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams"]

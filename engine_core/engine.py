@@ -20,11 +20,11 @@ from typing import Protocol
 import structlog
 
 from engine_core.config import EngineConfig
+from engine_core.core.request import FinishReason, Request
+from engine_core.core.request_limits import RequestLimits
+from engine_core.core.scheduler import Scheduler
+from engine_core.core.seq_output import SeqOutput, ending_outputs, tensor_rows
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
-from engine_core.request import FinishReason, Request
-from engine_core.request_limits import RequestLimits
-from engine_core.scheduler import Scheduler
-from engine_core.seq_output import SeqOutput, ending_outputs, tensor_rows
 from engine_core.stats import EngineStats
 
 log = structlog.get_logger(__name__)

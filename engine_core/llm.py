@@ -9,16 +9,16 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine_core.checkpoint.model_files import model_name, read_generation_eos, resolve_model_dir
 from engine_core.config import EngineConfig
+from engine_core.core.prompt_checks import check_token_ids
+from engine_core.core.request import FinishReason, Request
 from engine_core.engine import EngineCore
-from engine_core.model_files import model_name, read_generation_eos, resolve_model_dir
-from engine_core.model_runner import ModelRunner
-from engine_core.output_processor import OutputProcessor
-from engine_core.prompt_checks import check_token_ids
-from engine_core.request import FinishReason, Request
-from engine_core.request_output import RequestMetrics, RequestOutput
+from engine_core.io.output_processor import OutputProcessor
+from engine_core.io.request_output import RequestMetrics, RequestOutput
+from engine_core.io.tokenizer import Tokenizer, hf_tokenizer, load_tokenizer
 from engine_core.sampling_params import SamplingParams, with_eos
-from engine_core.tokenizer import Tokenizer, hf_tokenizer, load_tokenizer
+from engine_core.worker.model_runner import ModelRunner
 
 PromptType = str | dict[str, Any]
 ChatMessages = list[dict[str, str]]
@@ -65,7 +65,7 @@ class LLM:
         """transformers' tokenizer of the model, as vLLM's `LLM.get_tokenizer()` returns (loaded on the first call).
 
         NOTE: the engine itself uses `self.tokenizer`, a snapshot of this same tokenizer that runs without
-        transformers (engine_core/tokenizer.py); both give the same ids and text (tests/test_tokenizer.py).
+        transformers (engine_core/io/tokenizer.py); both give the same ids and text (tests/test_tokenizer.py).
         """
         if self._hf_tokenizer is None:
             self._hf_tokenizer = hf_tokenizer(self.engine.tokenizer_dir)

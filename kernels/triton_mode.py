@@ -29,16 +29,20 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in _TRUE
 
 
-def configure_triton_interpret() -> bool:
+def configure_triton_interpret(strict: bool = True) -> bool:
     """Sets `TRITON_INTERPRET=1` when no CUDA device is visible (unless the variable is set); returns whether kernels
     are interpreted. Idempotent.
 
-    Raises RuntimeError when it would switch the interpreter on but triton is already imported: its library
-    functions were then decorated as compiled functions and every interpreted kernel that calls one would fail with
-    triton's opaque "Cannot call @triton.jit'd outside of the scope of a kernel".
+    When it would switch the interpreter on but triton is already imported, triton's library functions were decorated
+    as compiled functions and every interpreted kernel that calls one would fail with triton's opaque "Cannot call
+    @triton.jit'd outside of the scope of a kernel". `strict` (the Triton kernels' own import) raises RuntimeError
+    then; otherwise (the engine's entry, whose default CPU backends never run a Triton kernel) it leaves the mode as
+    it is, so a script may import transformers or triton before the engine.
     """
     if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
         if "triton" in sys.modules:
+            if not strict:
+                return triton_interpreted()
             raise RuntimeError(
                 "triton was imported before kernels.triton_mode.configure_triton_interpret() ran on a machine without "
                 "CUDA; call it first in the entry point (or set TRITON_INTERPRET=1 in the environment)"

@@ -25,7 +25,7 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def smollm2_dir() -> str:
     """HF directory of SmolLM2-135M-Instruct (converted from the packaged GGUF on first use)."""
     # NOTE: imported here, not at the top, so the kernel tests also collect where only torch/triton/pytest exist.
-    from engine_core.model_files import resolve_model_dir
+    from engine_core.checkpoint.model_files import resolve_model_dir
 
     return resolve_model_dir(None, CACHE_DIR)
 
@@ -33,7 +33,7 @@ def smollm2_dir() -> str:
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_dir: str):
     """Pagoda's tokenizer of the model (a snapshot of transformers' one, read without transformers)."""
-    from engine_core.tokenizer import load_tokenizer
+    from engine_core.io.tokenizer import load_tokenizer
 
     return load_tokenizer(smollm2_dir, CACHE_DIR)
 

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 from hypothesis import strategies as st
 
-from engine_core.block_pool import KVBlock
 from engine_core.config import EngineConfig
+from engine_core.core.block_pool import KVBlock
+from engine_core.core.prefix_cache import extend_block_hashes
+from engine_core.core.request import FinishReason, Request, SequenceStatus
+from engine_core.core.scheduler import Scheduler, SequenceUpdate
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
-from engine_core.prefix_cache import extend_block_hashes
-from engine_core.request import FinishReason, Request, SequenceStatus
 from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import Scheduler, SequenceUpdate
 
 EOS = 2
 STOP = 3  # an explicit stop_token_id

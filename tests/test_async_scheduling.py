@@ -15,11 +15,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine_core.config import EngineConfig
+from engine_core.core.request import FinishReason, Request
 from engine_core.engine import PIPELINE_MAX_STEP_S, EngineCore
-from engine_core.model_runner import ModelRunner
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
-from engine_core.request import FinishReason, Request
 from engine_core.sampling_params import SamplingParams
+from engine_core.worker.model_runner import ModelRunner
 from tests.scheduler_sim import (
     Worker,
     Workload,

@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine_core.block_pool import BlockPool, FreeBlockQueue, KVBlock
-from engine_core.prefix_cache import hash_block
+from engine_core.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from engine_core.core.prefix_cache import hash_block
 
 
 def ids(blocks: object) -> list[int]:

@@ -9,8 +9,8 @@ import torch
 
 from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.triton_backend import TritonAttentionBackend
-from engine_core.cuda_graphs import CudaGraphDecodeStep, bucket_for, capture_sizes
-from engine_core.device_inputs import DeviceInputs, InputSpec
+from engine_core.worker.cuda_graphs import CudaGraphDecodeStep, bucket_for, capture_sizes
+from engine_core.worker.device_inputs import DeviceInputs, InputSpec
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

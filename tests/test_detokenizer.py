@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_core.detokenizer import DetokenizerDelta, IncrementalDetokenizer, decode_function
+from engine_core.io.detokenizer import DetokenizerDelta, IncrementalDetokenizer, decode_function
 from engine_core.sampling_params import SamplingParams
 
 PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

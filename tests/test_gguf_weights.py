@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from engine_core.gguf_file import GgufTensor, read_index
-from engine_core.gguf_weights import decode, iter_gguf_weights
-from engine_core.model_dir import GGUF_LINK, gguf_file, transformers_kwargs, weight_files
-from engine_core.model_files import default_model_path, resolve_model_dir
+from engine_core.checkpoint.gguf_file import GgufTensor, read_index
+from engine_core.checkpoint.model_dir import GGUF_LINK, gguf_file, transformers_kwargs, weight_files
+from engine_core.checkpoint.model_files import default_model_path, resolve_model_dir
+from engine_core.model.gguf_weights import decode, iter_gguf_weights
 
 Q = GGMLQuantizationType
 # Every format the tiny models are written in: the ones decoded in torch, and Q5_1 (gguf-py's own decoding).
@@ -176,7 +176,7 @@ def test_a_malformed_header_is_refused_by_name(tiny_gguf_bytes: bytes, tmp_path:
 
 
 def test_a_directory_whose_gguf_file_moved_fails_the_load_by_the_files_name(tmp_path: Path) -> None:
-    from engine_core.model_loader import iter_weights
+    from engine_core.model.loader import iter_weights
 
     (tmp_path / GGUF_LINK).symlink_to(tmp_path / "gone.gguf")
     assert weight_files(tmp_path) == [tmp_path / GGUF_LINK]

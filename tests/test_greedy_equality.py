@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_core import LLM, SamplingParams
-from engine_core.model_dir import transformers_kwargs
+from engine_core.checkpoint.model_dir import transformers_kwargs
 from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow

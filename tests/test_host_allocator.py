@@ -19,7 +19,7 @@ import pytest
 # (host_allocator.py), so the faults of one round are not deterministic.
 PROBE = """
 import json, sys, threading, torch
-from engine_core.host_allocator import retain_freed_memory
+from engine_core.worker.host_allocator import retain_freed_memory
 if sys.argv[1] == "retain":
     assert retain_freed_memory()
 def rss():

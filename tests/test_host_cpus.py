@@ -65,7 +65,7 @@ def test_a_model_runner_in_a_one_cpu_cgroup_runs_one_thread(tiny_dir: Path) -> N
         (group / "cpu.cfs_quota_us").write_text("100000")  # 1 CPU of time, every CPU in the affinity
         code = (
             "import torch; from engine_core.config import EngineConfig; "
-            "from engine_core.model_runner import ModelRunner; "
+            "from engine_core.worker.model_runner import ModelRunner; "
             f"ModelRunner(EngineConfig(dtype='float32'), {str(tiny_dir)!r}); print(torch.get_num_threads())"
         )
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}

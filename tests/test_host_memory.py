@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_core import host_memory
-from engine_core.host_memory import available_host_bytes, zeroed_host_tensor
+from engine_core.worker import host_memory
+from engine_core.worker.host_memory import available_host_bytes, zeroed_host_tensor
 
 
 def test_zeroed_host_tensor_is_zero_contiguous_and_writable() -> None:

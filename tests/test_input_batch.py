@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine_core.input_batch import InputBatch
 from engine_core.sampling_params import SamplingParams
+from engine_core.worker.input_batch import InputBatch
 
 BS = 4
 

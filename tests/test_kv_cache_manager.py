@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from engine_core.kv_cache_manager import KVCacheManager
-from engine_core.prefix_cache import extend_block_hashes
-from engine_core.request import Request, Sequence, SequenceStatus
+from engine_core.core.kv_cache_manager import KVCacheManager
+from engine_core.core.prefix_cache import extend_block_hashes
+from engine_core.core.request import Request, Sequence, SequenceStatus
 from engine_core.sampling_params import SamplingParams
 
 BS = 4

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from engine_core import kv_prefault
-from engine_core.host_memory import zeroed_host_tensor
-from engine_core.kv_prefault import KvPrefaulter
+from engine_core.worker import kv_prefault
+from engine_core.worker.host_memory import zeroed_host_tensor
+from engine_core.worker.kv_prefault import KvPrefaulter
 
 PAGE = 4096
 

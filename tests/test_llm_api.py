@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from engine_core import LLM, SamplingParams
-from engine_core.request import Request
+from engine_core.core.request import Request
 
 pytestmark = pytest.mark.slow
 

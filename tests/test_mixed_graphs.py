@@ -11,8 +11,8 @@ import torch
 
 from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.triton_backend import TritonAttentionBackend
-from engine_core.mixed_graphs import CudaGraphMixedStep, token_buckets
-from engine_core.step_functions import pick_step_function
+from engine_core.worker.mixed_graphs import CudaGraphMixedStep, token_buckets
+from engine_core.worker.step_functions import pick_step_function
 from kernels.triton import prefill_num_tiles, prefill_tile_map
 
 CUDA = torch.cuda.is_available()

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine_core import LLM, SamplingParams
-from engine_core.models.native_decode import NativeDecodeStep
+from engine_core.model.native_decode import NativeDecodeStep
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_gguf_decoded
 from tests.conftest import TRITON_DEVICE

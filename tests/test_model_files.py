@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, LlamaConfig, MistralConfig
 
-from engine_core.model_loader import load_config
+from engine_core.model.loader import load_config
 from tests.conftest import CACHE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-# Every config attribute the engine reads (model_runner, models/llama.py, model_loader.architecture).
+# Every config attribute the engine reads (model_runner, model/llama.py, model.loader.architecture).
 ENGINE_READS = (
     "architectures",
     "model_type",
@@ -85,8 +85,8 @@ def test_loading_the_default_model_leaves_transformers_model_configs_unimported(
     """What `pagoda serve`'s worker and frontend load at start-up imports none of the model-config chain."""
     code = (
         "import sys\n"
-        "from engine_core.model_loader import load_config\n"
-        "from engine_core.tokenizer import load_tokenizer\n"
+        "from engine_core.model.loader import load_config\n"
+        "from engine_core.io.tokenizer import load_tokenizer\n"
         f"load_config({smollm2_dir!r}); load_tokenizer({smollm2_dir!r}, {CACHE_DIR!r})\n"
         "heavy = [m for m in ('transformers.integrations.hub_kernels', 'torch._dynamo') if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from engine_core.config import EngineConfig
-from engine_core.model_runner import ModelRunner
 from engine_core.plan import CachedSequenceData, NewSequenceData, SchedulerOutput
 from engine_core.sampling_params import SamplingParams
+from engine_core.worker.model_runner import ModelRunner
 from tests.hf_reference import hf_greedy
 
 BS = 4
@@ -73,7 +73,7 @@ def test_reset_forgets_every_sequence(tiny_dir: Path) -> None:
 
 @pytest.mark.parametrize("name", ["model.layers.1.self_attn.k_proj.weight", "model.norm.weight", "lm_head.weight"])
 def test_a_checkpoint_missing_a_weight_is_refused(tiny_dir: Path, tmp_path: Path, name: str) -> None:
-    """Parameters are allocated, not initialised (models/llama.Linear): a weight the checkpoint lacks must fail the
+    """Parameters are allocated, not initialised (model/llama.Linear): a weight the checkpoint lacks must fail the
     load, never serve uninitialised memory."""
     model_dir = tmp_path / "incomplete"
     shutil.copytree(tiny_dir, model_dir)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine_core.output_processor import OutputProcessor
-from engine_core.request import FinishReason
+from engine_core.core.request import FinishReason
+from engine_core.core.seq_output import SeqOutput, TokenLogprobs
+from engine_core.io.output_processor import OutputProcessor
 from engine_core.sampling_params import SamplingParams
-from engine_core.seq_output import SeqOutput, TokenLogprobs
 
 
 def test_text_streams_and_a_stop_string_ends_the_choice(smollm2_tokenizer) -> None:

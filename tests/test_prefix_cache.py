@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_core.prefix_cache import extend_block_hashes, hash_block
+from engine_core.core.prefix_cache import extend_block_hashes, hash_block
 
 tokens = st.lists(st.integers(0, 5), max_size=24)
 salts = st.sampled_from([None, "tenant-a", "tenant-b"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine_core.request import LifecycleKind
+from engine_core.core.request import LifecycleKind
 from tests.scheduler_sim import Harness, make_request, make_scheduler
 
 

@@ -9,8 +9,15 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_core.sampler import TOP_P_CANDIDATES, Sampler, SamplerOutput, apply_penalties, apply_top_p, compute_logprobs
-from engine_core.sampling_batch import SamplingBatch
+from engine_core.sample.sampler import (
+    TOP_P_CANDIDATES,
+    Sampler,
+    SamplerOutput,
+    apply_penalties,
+    apply_top_p,
+    compute_logprobs,
+)
+from engine_core.sample.sampling_batch import SamplingBatch
 from engine_core.sampling_params import SamplingParams
 
 SAMPLER = Sampler()

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine_core.config import EngineConfig
+from engine_core.core.request import FinishReason, SequenceStatus
 from engine_core.engine import EngineCore
-from engine_core.request import FinishReason, SequenceStatus
 from tests.scheduler_sim import (
     EOS,
     STOP,

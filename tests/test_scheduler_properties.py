@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from engine_core.request import FinishReason, Request, SequenceStatus
-from engine_core.scheduler import Scheduler
+from engine_core.core.request import FinishReason, Request, SequenceStatus
+from engine_core.core.scheduler import Scheduler
 from tests.scheduler_sim import (
     Harness,
     Workload,

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from engine_core.tokenizer import INFO_FILE, Tokenizer, hf_tokenizer, load_tokenizer, snapshot_dir
+from engine_core.io.tokenizer import INFO_FILE, Tokenizer, hf_tokenizer, load_tokenizer, snapshot_dir
 from tests.conftest import CACHE_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,7 +233,7 @@ def test_loading_a_snapshot_imports_neither_transformers_nor_torch(smollm2_dir: 
     load_tokenizer(smollm2_dir, CACHE_DIR)  # the snapshot exists from here on
     code = (
         "import sys\n"
-        "from engine_core.tokenizer import load_tokenizer\n"
+        "from engine_core.io.tokenizer import load_tokenizer\n"
         f"tok = load_tokenizer({smollm2_dir!r}, {CACHE_DIR!r})\n"
         "assert tok.apply_chat_template([{'role': 'user', 'content': 'Hi'}])\n"
         "print(sorted({'torch', 'transformers'} & set(sys.modules)))\n"

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from engine_core import LLM, SamplingParams
-from engine_core.models.llama import MLP, Attention, RMSNorm
+from engine_core.model.llama import MLP, Attention, RMSNorm
 from tests.conftest import TRITON_DEVICE
 from tests.test_model_families import VOCAB, _tiny
 

@@ -36,9 +36,9 @@ class AttentionMetadata:
     prefill_query_lens_cpu: list[int]
     prefill_seq_lens_cpu: list[int]
     # Split-K count of the Triton decode kernel; None = chosen per step from max_decode_seq_len. A CUDA graph fixes it
-    # at capture (engine_core/cuda_graphs.py).
+    # at capture (engine_core/worker/cuda_graphs.py).
     decode_num_splits: int | None = None
-    # The fixed-grid layout of a mixed step's CUDA graph (engine_core/mixed_graphs.py); None = the layout above.
+    # The fixed-grid layout of a mixed step's CUDA graph (engine_core/worker/mixed_graphs.py); None = the layout above.
     # When set: `prefill_query_start_loc` is absolute (it counts the decode rows), chunks past the real ones are
     # empty, decode rows past the real ones have seq_len 0, rows past the last chunk are padding, and the Triton
     # prefill kernel takes its grid from this `[num_tiles, 2]` (chunk, query block) map.

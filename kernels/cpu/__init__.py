@@ -197,7 +197,7 @@ class DecodeLayerWeights:
     head_dim: int
     eps: float
     scale: float
-    # GEMM row thresholds, as models/cpu_linear.py dispatches: below coded_m the coded kernel (where the weight has
+    # GEMM row thresholds, as model/cpu_linear.py dispatches: below coded_m the coded kernel (where the weight has
     # codes), below onednn_m the panel kernel, from onednn_m oneDNN, from large_m MKL
     coded_m: int
     onednn_m: int

@@ -3,8 +3,8 @@
 // Why: at batch 1 the GEMMs stream the weights in ~19 ms and everything else is ~11 ops per layer whose cost was
 // almost all Python and dispatch (25.5 -> ~20 ms per token with this loop). It is the CPU counterpart of replaying
 // a captured CUDA graph: the ops the Python model calls (ops.h, and the coded / panel kernel / oneDNN / MKL for the
-// GEMMs, with the same row thresholds as models/cpu_linear.py, passed in), chained without returning to Python. The
-// layer math is models/llama.py's; tests check both paths give the same tokens and logprobs.
+// GEMMs, with the same row thresholds as model/cpu_linear.py, passed in), chained without returning to Python. The
+// layer math is model/llama.py's; tests check both paths give the same tokens and logprobs.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>

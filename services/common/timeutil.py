@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from engine_core.request import Request
+from engine_core.core.request import Request
 from services.rpc import common_pb2
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine_core.request import FinishReason
-from engine_core.seq_output import SeqOutput, TokenLogprobs
+from engine_core.core.request import FinishReason
+from engine_core.core.seq_output import SeqOutput, TokenLogprobs
 from services.rpc import common_pb2, scheduler_pb2
 
 _REASONS: dict[FinishReason, int] = {

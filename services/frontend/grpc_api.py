@@ -6,8 +6,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from engine_core.output_processor import ChoiceDelta
-from engine_core.request_output import PositionLogprobs
+from engine_core.io.output_processor import ChoiceDelta
+from engine_core.io.request_output import PositionLogprobs
 from services.common.trace import TraceContext
 from services.convert.outputs import reason_to_proto, stop_to_proto
 from services.convert.params import params_from_proto

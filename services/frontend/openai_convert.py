@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_core.output_processor import ChoiceDelta
-from engine_core.request_output import PositionLogprobs
+from engine_core.io.output_processor import ChoiceDelta
+from engine_core.io.request_output import PositionLogprobs
 from engine_core.sampling_params import SamplingParams
 from services.common.trace import TraceContext
 from services.frontend.openai_protocol import (

@@ -19,8 +19,8 @@ import grpc
 import structlog
 from opentelemetry import trace as otel_trace
 
-from engine_core.output_processor import OutputProcessor, StopMatch
-from engine_core.request_output import RequestOutput
+from engine_core.io.output_processor import OutputProcessor, StopMatch
+from engine_core.io.request_output import RequestOutput
 from engine_core.sampling_params import with_eos
 from services.common.logs import request_fields
 from services.common.telemetry import Telemetry

@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine_core.output_processor import ChoiceDelta
-from engine_core.request_output import PositionLogprobs, RequestOutput
+from engine_core.io.output_processor import ChoiceDelta
+from engine_core.io.request_output import PositionLogprobs, RequestOutput
 from engine_core.sampling_params import SamplingParams
 from services.common.trace import TraceContext
 

@@ -20,8 +20,8 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from prometheus_client import CollectorRegistry
 
-from engine_core.model_files import model_name, read_generation_eos, resolve_model_dir
-from engine_core.tokenizer import load_tokenizer
+from engine_core.checkpoint.model_files import model_name, read_generation_eos, resolve_model_dir
+from engine_core.io.tokenizer import load_tokenizer
 from services.common.grpc_opts import server_options
 from services.common.health import HEALTH_SERVICE, SERVING, ServiceHealth
 from services.common.logs import configure_logging

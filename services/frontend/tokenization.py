@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine_core.prompt_checks import check_token_ids
-from engine_core.tokenizer import Tokenizer
+from engine_core.core.prompt_checks import check_token_ids
+from engine_core.io.tokenizer import Tokenizer
 from services.frontend.request import PromptInput, RequestError
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")

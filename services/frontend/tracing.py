@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine_core.request_output import RequestOutput
+from engine_core.io.request_output import RequestOutput
 from engine_core.sampling_params import SamplingParams
 from services.common.timeutil import perf_counter_to_ns
 

@@ -20,9 +20,9 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from engine_core.config import EngineConfig
+from engine_core.core.request import FinishReason, Request
+from engine_core.core.seq_output import SeqOutput, ending_outputs
 from engine_core.engine import EngineCore
-from engine_core.request import FinishReason, Request
-from engine_core.seq_output import SeqOutput, ending_outputs
 from engine_core.stats import EngineStats
 from services.common.telemetry import Telemetry
 from services.common.timeutil import monotonic_to_ns

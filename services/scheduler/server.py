@@ -16,8 +16,8 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
-from engine_core.prompt_checks import check_token_ids
-from engine_core.request import Request
+from engine_core.core.prompt_checks import check_token_ids
+from engine_core.core.request import Request
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from opentelemetry import trace
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind
 
+from engine_core.core.request import Request
 from engine_core.plan import NewSequenceData, SchedulerOutput
-from engine_core.request import Request
 from services.common.timeutil import monotonic_to_ns
 from services.common.trace import TraceContext, span_context_of
 

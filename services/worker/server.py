@@ -18,9 +18,9 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry
 
-from engine_core.host_allocator import retain_freed_memory
-from engine_core.model_files import model_name, resolve_model_dir
-from engine_core.model_runner import ModelRunner
+from engine_core.checkpoint.model_files import model_name, resolve_model_dir
+from engine_core.worker.host_allocator import retain_freed_memory
+from engine_core.worker.model_runner import ModelRunner
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging

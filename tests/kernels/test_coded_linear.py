@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.models.cpu_linear import CODED_M, CpuLinear
+from engine_core.model.cpu_linear import CODED_M, CpuLinear
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_gguf_decoded as gguf_decoded
 
@@ -109,7 +109,7 @@ def test_cpu_linear_reads_codes_below_coded_m_with_the_same_bits(rows: int) -> N
 @pytest.mark.slow
 def test_the_default_models_projections_all_have_codes(smollm2_dir: str) -> None:
     """The default GGUF (Q4_1 layers, Q8_0 tied embedding) takes the coded kernel everywhere below CODED_M."""
-    from engine_core.model_loader import iter_weights, load_config
+    from engine_core.model.loader import iter_weights, load_config
 
     weights = iter_weights(smollm2_dir, load_config(smollm2_dir))
     records = {name: cpu_kernels.coded_pack(t) for name, t in weights if t.dim() == 2}

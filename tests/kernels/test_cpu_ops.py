@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.models.cpu_linear import LARGE_M, ONEDNN_M, CpuLinear
-from engine_core.models.llama import RMSNorm, apply_rotary
+from engine_core.model.cpu_linear import LARGE_M, ONEDNN_M, CpuLinear
+from engine_core.model.llama import RMSNorm, apply_rotary
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_store_kv
 

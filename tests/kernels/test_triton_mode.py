@@ -68,7 +68,7 @@ def test_cpu_kernels_and_the_cpu_engine_import_no_triton() -> None:
     code = (
         "import sys\n"
         "from kernels import cpu\n"
-        "import engine_core.model_runner, engine_core.models.llama\n"
+        "import engine_core.worker.model_runner, engine_core.model.llama\n"
         "import engine_core.attention.selector, engine_core.attention.torch_backend\n"
         "import engine_core.attention.cpu_backend\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'triton' or m.startswith('kernels.triton.'))\n"

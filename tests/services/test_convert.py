@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine_core.core.request import FinishReason
+from engine_core.core.seq_output import SeqOutput, TokenLogprobs, tensor_rows
 from engine_core.plan import (
     CachedSequenceData,
     LogprobsTensors,
@@ -16,9 +18,7 @@ from engine_core.plan import (
     PromptLogprobs,
     SchedulerOutput,
 )
-from engine_core.request import FinishReason
 from engine_core.sampling_params import SamplingParams
-from engine_core.seq_output import SeqOutput, TokenLogprobs, tensor_rows
 from services.common.flags import add_flag, env_name
 from services.common.trace import TraceContext
 from services.convert.outputs import seq_output_from_proto, seq_output_to_proto

@@ -1,6 +1,6 @@
 """The scheduler and the frontend never load torch or transformers (2-3 s of CPU and 200-250 MB each at every
 start, taken from the worker's cores while it loads the model on a machine that runs all three): the scheduler is
-bookkeeping, the frontend tokenizes with a snapshot of transformers' tokenizer (engine_core/tokenizer.py)."""
+bookkeeping, the frontend tokenizes with a snapshot of transformers' tokenizer (engine_core/io/tokenizer.py)."""
 
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from engine_core.request import Request
-from engine_core.request_output import CompletionOutput, RequestOutput
+from engine_core.core.request import Request
+from engine_core.io.request_output import CompletionOutput, RequestOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.step_timings import StepTimings
 from services.common.telemetry import (

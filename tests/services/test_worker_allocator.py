@@ -1,4 +1,4 @@
-"""The worker applies its allocator settings (engine_core/host_allocator.py) before it loads the model."""
+"""The worker applies its allocator settings (engine_core/worker/host_allocator.py) before it loads the model."""
 
 from __future__ import annotations
 

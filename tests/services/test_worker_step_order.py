@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from engine_core.config import EngineConfig
-from engine_core.request import Request
+from engine_core.core.request import Request
+from engine_core.core.scheduler import Scheduler
 from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler import Scheduler
 from services.convert.plan import plan_to_proto, result_from_proto
 from services.rpc import worker_pb2
 from services.worker import server

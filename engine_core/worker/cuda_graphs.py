@@ -13,7 +13,7 @@ addresses, so:
 - the decode kernel's split count is fixed per bucket at capture (its grid is frozen), chosen for the longest
   context the engine serves; it is correct for any shorter one (kernels/triton/decode_attention.py).
 
-`CudaGraphDecodeStep` is a step function (engine_core/step_functions.py): the runner picks it for decode-only steps.
+`CudaGraphDecodeStep` is a step function (step_functions.py): the runner picks it for decode-only steps.
 Capture itself runs only on CUDA; the bucketing and padding are plain tensor code, tested on CPU.
 """
 

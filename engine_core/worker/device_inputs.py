@@ -5,7 +5,7 @@ for everything already queued on the stream, e.g. the previous forward) and goes
 input has one pinned host buffer and one device tensor, both sized for the largest step, allocated once; a step
 writes its numpy arrays into the pinned buffers and queues `non_blocking` copies into the device tensors, so the host
 never waits for the GPU while it prepares a step. The device tensors keep their addresses for the engine's lifetime,
-which is also what a CUDA graph needs of its inputs (engine_core/cuda_graphs.py).
+which is also what a CUDA graph needs of its inputs (engine_core/worker/cuda_graphs.py).
 
 On CPU there is nothing to copy: `put` returns the numpy array as a tensor (padded when asked), unless
 `persistent=True` asks for the same fixed tensors as on CUDA (the CUDA-graph padding is tested that way on CPU).

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_core.block_pool import BlockPool, KVBlock
-from engine_core.prefix_cache import extend_block_hashes
-from engine_core.request import Sequence
+from engine_core.core.block_pool import BlockPool, KVBlock
+from engine_core.core.prefix_cache import extend_block_hashes
+from engine_core.core.request import Sequence
 
 
 @dataclass

@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine_core.detokenizer import IncrementalDetokenizer
-from engine_core.request import FinishReason
-from engine_core.request_output import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from engine_core.core.request import FinishReason
+from engine_core.core.seq_output import SeqOutput, TokenLogprobs
+from engine_core.io.detokenizer import IncrementalDetokenizer
+from engine_core.io.request_output import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from engine_core.io.tokenizer import Tokenizer
 from engine_core.sampling_params import SamplingParams
-from engine_core.seq_output import SeqOutput, TokenLogprobs
-from engine_core.tokenizer import Tokenizer
 
 
 @dataclass

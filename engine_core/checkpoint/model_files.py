@@ -17,7 +17,7 @@ from pathlib import Path
 
 import structlog
 
-from engine_core.model_dir import GGUF_LINK
+from engine_core.checkpoint.model_dir import GGUF_LINK
 
 log = structlog.get_logger(__name__)
 
@@ -65,7 +65,7 @@ def _write_gguf_dir(gguf_path: Path, target: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    from engine_core.gguf_file import check_architecture, read_index
+    from engine_core.checkpoint.gguf_file import check_architecture, read_index
 
     check_architecture(read_index(gguf_path))  # before transformers' slow parse of the whole header
     log.info("reading the GGUF file's config and tokenizer (once; cached afterwards)", gguf=str(gguf_path))

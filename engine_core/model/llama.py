@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
-from engine_core.models.cpu_linear import use_cpu_linears
+from engine_core.model.cpu_linear import use_cpu_linears
 from kernels import cpu as cpu_kernels
 
 
@@ -223,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
 
     def use_cpu_gemms(self) -> None:
-        """CPU float32: every projection and the LM head become a `CpuLinear` (models/cpu_linear.py).
+        """CPU float32: every projection and the LM head become a `CpuLinear` (model/cpu_linear.py).
 
         A tied LM head shares the embedding's weight and gets its own packed copies.
         """
@@ -248,7 +248,7 @@ class LlamaForCausalLM(nn.Module):
 
     def use_native_ops(self) -> None:
         """CPU float32, after `use_cpu_gemms`: RMSNorm (+ residual add), rotary and SiLU-and-mul run as fused native
-        ops (kernels/cpu). (A decode-only step in one native call is a step function: models/native_decode.py.)"""
+        ops (kernels/cpu). (A decode-only step in one native call is a step function: model/native_decode.py.)"""
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.native = True

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from engine_core.attention.backend import AttentionMetadata
-from engine_core.cuda_graphs import BucketedGraphs, Forward, bucket_for
+from engine_core.worker.cuda_graphs import BucketedGraphs, Forward, bucket_for
 
 TileMap = Callable[[torch.Tensor, int], torch.Tensor]  # (query_start_loc, num_tiles) -> [num_tiles, 2] int32
 NumTiles = Callable[[int, int], int]  # (max_tokens, max_chunks) -> tile map length

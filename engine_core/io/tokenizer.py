@@ -29,7 +29,7 @@ from typing import Any
 import structlog
 import tokenizers
 
-from engine_core.chat_template import ChatTemplate
+from engine_core.io.chat_template import ChatTemplate
 
 log = structlog.get_logger(__name__)
 
@@ -111,7 +111,7 @@ def hf_tokenizer(source_dir: str) -> Any:
     """transformers' own tokenizer of `source_dir` (imports transformers, and with it torch)."""
     from transformers import AutoTokenizer
 
-    from engine_core.model_config import read_config_file
+    from engine_core.checkpoint.model_config import read_config_file
 
     # NOTE: AutoTokenizer reads only the config's model_type, tokenizer_class and name to choose the tokenizer
     # class, so the base config chooses exactly as the model's own class would (tests/test_tokenizer.py).

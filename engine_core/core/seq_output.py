@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_core.core.request import FinishReason, Request
 from engine_core.plan import LogprobsTensors
-from engine_core.request import FinishReason, Request
 
 
 @dataclass

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine_core.plan import LogprobsTensors
-from engine_core.sampling_batch import LogitBias, MinTokensState, PenaltyState, SamplingMetadata
+from engine_core.sample.sampling_batch import LogitBias, MinTokensState, PenaltyState, SamplingMetadata
 
 # Candidates searched for the top-p nucleus before falling back to the whole vocabulary (see apply_top_p).
 TOP_P_CANDIDATES = 256

@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from engine_core.model_config import read_config_file, read_config_json
-from engine_core.model_dir import gguf_file, weight_files
+from engine_core.checkpoint.model_config import read_config_file, read_config_json
+from engine_core.checkpoint.model_dir import gguf_file, weight_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,7 +77,7 @@ def iter_weights(model_dir: str, config: PretrainedConfig) -> Iterator[tuple[str
     gguf = gguf_file(model_dir)
     if gguf is not None:
         # NOTE: imported here: gguf-py is needed for GGUF models only (the GPU check's machine has none).
-        from engine_core.gguf_weights import iter_gguf_weights
+        from engine_core.model.gguf_weights import iter_gguf_weights
 
         yield from iter_gguf_weights(gguf, config.num_attention_heads, config.num_key_value_heads)
         return

@@ -19,28 +19,29 @@ import torch
 from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
-from engine_core.cuda_graphs import CudaGraphDecodeStep, capture_sizes
-from engine_core.device_inputs import DeviceInputs, step_input_specs
 from engine_core.host_cpus import usable_cpus
-from engine_core.host_memory import zeroed_host_tensor
-from engine_core.input_batch import InputBatch, StepInputs
-from engine_core.kv_prefault import KvPrefaulter
-from engine_core.mixed_graphs import CudaGraphMixedStep, token_buckets
-from engine_core.model_loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
-from engine_core.models.cpu_linear import can_pack
-from engine_core.models.llama import model_class
-from engine_core.models.native_decode import NativeDecodeStep
+from engine_core.model.cpu_linear import can_pack
+from engine_core.model.llama import model_class
+from engine_core.model.loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
+from engine_core.model.native_decode import NativeDecodeStep
 from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from engine_core.sampler import Sampler, compute_logprobs
-from engine_core.sampling_batch import SamplingBatch
-from engine_core.step_functions import StepFunction, pick_step_function
+from engine_core.sample.sampler import Sampler, compute_logprobs
+from engine_core.sample.sampling_batch import SamplingBatch
 from engine_core.step_timings import StepTimings
+from engine_core.worker.cuda_graphs import CudaGraphDecodeStep, capture_sizes
+from engine_core.worker.device_inputs import DeviceInputs, step_input_specs
+from engine_core.worker.host_memory import zeroed_host_tensor
+from engine_core.worker.input_batch import InputBatch, StepInputs
+from engine_core.worker.kv_prefault import KvPrefaulter
+from engine_core.worker.mixed_graphs import CudaGraphMixedStep, token_buckets
+from engine_core.worker.step_functions import StepFunction, pick_step_function
 from kernels import cpu as cpu_kernels
 from kernels.triton_mode import configure_triton_interpret
 
 # NOTE: the engine's entry into the kernels: decide interpreted-or-compiled before anything (a transformers forward,
-# torch.compile) can import triton; the Triton backend and fused ops import their kernels only when chosen.
-configure_triton_interpret()
+# torch.compile) can import triton; the Triton backend and fused ops import their kernels only when chosen. Not
+# strict: where the caller imported triton first, only choosing the Triton backend on a CUDA-less machine fails.
+configure_triton_interpret(strict=False)
 
 log = structlog.get_logger(__name__)
 

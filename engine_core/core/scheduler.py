@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_core.config import EngineConfig
-from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.core.kv_cache_manager import KVCacheManager
+from engine_core.core.request import FinishReason, LifecycleEvent, LifecycleKind, Request, Sequence, SequenceStatus
+from engine_core.core.request_limits import RequestLimits
 from engine_core.plan import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
-from engine_core.request import FinishReason, LifecycleEvent, LifecycleKind, Request, Sequence, SequenceStatus
-from engine_core.request_limits import RequestLimits
 
 
 @dataclass

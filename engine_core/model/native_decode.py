@@ -1,7 +1,7 @@
 """A step function for decode-only steps on CPU: every layer of the model in one native call.
 
 The model has one forward (the layer loop); how a step runs is the model runner's choice among step functions
-(`engine_core/step_functions.py`). This one chains the same ops in C++ (kernels/cpu/decode_step.cpp) with the same
+(`worker/step_functions.py`). This one chains the same ops in C++ (kernels/cpu/decode_step.cpp) with the same
 GEMM dispatch, so its outputs match the layer loop's; it serves only steps where every row is a decode.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from engine_core.attention.backend import AttentionMetadata
-from engine_core.models.cpu_linear import CODED_M, ONEDNN_M
-from engine_core.models.llama import LlamaForCausalLM
+from engine_core.model.cpu_linear import CODED_M, ONEDNN_M
+from engine_core.model.llama import LlamaForCausalLM
 from kernels import cpu as cpu_kernels
 
 

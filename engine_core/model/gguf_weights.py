@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType, dequantize
 
-from engine_core.gguf_file import ARCHITECTURES, GgufTensor, check_architecture, read_index
+from engine_core.checkpoint.gguf_file import ARCHITECTURES, GgufTensor, check_architecture, read_index
 
 Q = GGMLQuantizationType
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
