@@ -68,7 +68,7 @@ def test_rotary_neox_with_per_token_rows() -> None:
 
 def test_rotary_reference_matches_hf_llama() -> None:
     # Ties our reference to the model we serve: HF Llama's apply_rotary_pos_emb (cos/sin = cat(freqs, freqs)).
-    from transformers.model.llama.modeling_llama import apply_rotary_pos_emb
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     positions = torch.arange(11)
     cos, sin = _cos_sin(16, 64, torch.float32)
