@@ -140,6 +140,7 @@ class EngineCore:
             prefix_cache_queries=sched.kv.stats.queries,
             prefix_cache_hits=sched.kv.stats.hits,
             preemptions=sched.num_preemptions,
+            prefix_cache_evictions=pool.num_evictions,
             running_requests=running_requests,
             waiting_requests=len(sched.requests) - running_requests,
         )

@@ -18,5 +18,6 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up
     prefix_cache_hits: int = 0  # prompt tokens found
     preemptions: int = 0
+    prefix_cache_evictions: int = 0  # cached blocks reused for other content (their hash dropped)
     running_requests: int = 0  # requests with a choice running (vLLM's num_requests_running)
     waiting_requests: int = 0  # unfinished requests none of whose choices runs (vLLM's num_requests_waiting)

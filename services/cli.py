@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import TextIO
 
+from services.common import ports
 from services.common.engine_flags import field_default
 
 DEMO_PROMPT = "Write a haiku about a pagoda in the rain."
@@ -145,10 +146,12 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-cache-memory", type=float, default=field_default("kv_cache_memory"), help="GiB of KV cache per worker"
     )
     serve.add_argument("--host", default="0.0.0.0", help="the frontend's bind address")
-    serve.add_argument("--grpc-port", type=int, default=50051)
-    serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument("--scheduler-port", type=int, default=50052)
-    serve.add_argument("--worker-port", type=int, default=50053, help="first worker's port (then +1 per worker)")
+    serve.add_argument("--grpc-port", type=int, default=ports.FRONTEND_GRPC_PORT)
+    serve.add_argument("--http-port", type=int, default=ports.FRONTEND_HTTP_PORT)
+    serve.add_argument("--scheduler-port", type=int, default=ports.SCHEDULER_PORT)
+    serve.add_argument(
+        "--worker-port", type=int, default=ports.WORKER_PORT, help="first worker's port (then +1 per worker)"
+    )
     serve.add_argument("--num-workers", type=int, default=1)
     serve.add_argument(
         "--worker-threads",
@@ -159,7 +162,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--log-dir", default=None, help="write each service's log there instead of stderr")
     serve.add_argument(
-        "--metrics-port", type=int, default=8001, help="scheduler /metrics (worker r: +1+r; -1: off; frontend: HTTP)"
+        "--metrics-port",
+        type=int,
+        default=ports.SCHEDULER_METRICS_PORT,
+        help="scheduler /metrics (worker r: +1+r; -1: off; frontend: HTTP)",
     )
     serve.add_argument("--otlp-traces-endpoint", default=None, help="OTLP collector (default: OTEL_* variables)")
     serve.add_argument("--collect-detailed-traces", action="store_true", help="trace engine steps and worker steps")
@@ -167,7 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_sampling_args(serve)
 
     gen = sub.add_parser("generate", help="generate a completion (offline, or through --server)")
-    gen.add_argument("--server", default=None, help="a frontend's gRPC address, e.g. localhost:50051")
+    gen.add_argument(
+        "--server", default=None, help=f"a frontend's gRPC address, e.g. localhost:{ports.FRONTEND_GRPC_PORT}"
+    )
     gen.add_argument("--model", default=None, help="offline only")
     gen.add_argument("--dtype", default=field_default("dtype"), help="offline only")
     # NOTE: a smaller cache than the engine's default on purpose: one prompt needs little, and it starts faster.

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from services.common import ports
 from services.common.engine_flags import field_default
 from services.common.health import NOT_SERVING, SERVING, check
 from services.common.tls import TlsFiles
@@ -34,10 +35,10 @@ class LaunchConfig:
     dtype: str = field_default("dtype")
     kv_cache_memory: float = field_default("kv_cache_memory")
     host: str = "0.0.0.0"  # the frontend's bind address; internal services bind to loopback
-    grpc_port: int = 50051
-    http_port: int = 8000
-    scheduler_port: int = 50052
-    worker_ports: list[int] = field(default_factory=lambda: [50053])
+    grpc_port: int = ports.FRONTEND_GRPC_PORT
+    http_port: int = ports.FRONTEND_HTTP_PORT
+    scheduler_port: int = ports.SCHEDULER_PORT
+    worker_ports: list[int] = field(default_factory=lambda: [ports.WORKER_PORT])
     num_threads: int | None = None
     max_num_seqs: int = field_default("max_num_seqs")
     extra_worker_args: list[str] = field(default_factory=list)
@@ -45,7 +46,7 @@ class LaunchConfig:
     extra_frontend_args: list[str] = field(default_factory=list)
     log_dir: str | None = None  # None: children log to this process's stderr
     # Prometheus: the scheduler's /metrics port; worker rank r gets metrics_port + 1 + r; -1 disables both.
-    metrics_port: int = 8001
+    metrics_port: int = ports.SCHEDULER_METRICS_PORT
     otlp_traces_endpoint: str | None = None  # None: the OTEL_* variables (inherited by every service) decide
     collect_detailed_traces: bool = False
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment for every service

@@ -409,3 +409,16 @@ def test_engine_core_abort_and_finish_return_their_outputs() -> None:
     assert stats.free_blocks == stats.total_blocks == 32 and stats.num_requests == stats.running == 0
     with pytest.raises(ValueError, match="max_num_seqs"):
         core.check_request(3, 100_000)
+
+
+def test_prefix_cache_evictions_reach_the_engine_stats() -> None:
+    # a's four full prompt blocks stay cached after it ends; b's 31-token prompt needs all 8 blocks: four evictions
+    core = EngineCore(EngineConfig(num_kv_blocks=8, block_size=4), Worker(8, 4), max_model_len=64, num_blocks=8)
+    core.add_request(make_request(list(range(10, 26)), request_id="a", max_tokens=1))
+    while core.has_unfinished:
+        core.step()
+    assert core.stats().prefix_cache_evictions == 0
+    core.add_request(make_request(list(range(100, 131)), request_id="b", max_tokens=1))
+    while core.has_unfinished:
+        core.step()
+    assert core.stats().prefix_cache_evictions == 4

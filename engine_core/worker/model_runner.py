@@ -162,7 +162,7 @@ class ModelRunner:
         state, or the reverse); rebuilding both is the only reset that cannot leave a poisoned row behind."""
         max_rows = self.config.max_num_seqs
         self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, self.config.block_size)
-        self.sampling = SamplingBatch(self.info.vocab_size, self.device, max_rows)
+        self.sampling = SamplingBatch(self.info.vocab_size, self.device, max_rows, seed=self.config.seed)
         self._prompt_logprob_seqs: set[int] = set()
 
     def _cuda_graph_step(self, num_kv_heads: int) -> CudaGraphDecodeStep:

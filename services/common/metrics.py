@@ -110,3 +110,5 @@ class EngineStatsCollector(Collector):
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits)
         yield counter("num_preemptions", "Preemptions (a sequence lost its KV blocks and was requeued).",
                       s.preemptions)  # fmt: skip
+        yield counter("prefix_cache_evictions", "Cached KV blocks evicted from the prefix cache to hold other tokens.",
+                      s.prefix_cache_evictions)  # fmt: skip

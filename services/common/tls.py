@@ -40,10 +40,6 @@ class TlsFiles:
         return files
 
     @property
-    def server_enabled(self) -> bool:
-        return self.cert_file is not None
-
-    @property
     def client_enabled(self) -> bool:
         return self.ca_file is not None or self.cert_file is not None
 

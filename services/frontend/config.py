@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from engine_core.config import default_cache_dir
+from services.common import ports
 from services.common.engine_flags import MODEL_FIELDS, add_engine_flags
 from services.common.flags import add_flag, optional_str
 from services.common.telemetry import FRONTEND_SERVICE_NAME, TracingSettings, add_tracing_flags
@@ -40,9 +41,15 @@ class FrontendConfig:
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
     p = argparse.ArgumentParser(prog="pagoda frontend", description="Pagoda frontend: gRPC + OpenAI HTTP API")
     add_flag(p, "--host", default="0.0.0.0", help="address to bind (gRPC and HTTP)")
-    add_flag(p, "--grpc-port", default=50051, type=int, help="public gRPC port (0 picks a free one)")
-    add_flag(p, "--http-port", default=8000, type=int, help="OpenAI-compatible HTTP port (-1 disables it)")
-    add_flag(p, "--scheduler-addr", default="localhost:50052", help="the scheduler's address")
+    add_flag(p, "--grpc-port", default=ports.FRONTEND_GRPC_PORT, type=int, help="public gRPC port (0 picks a free one)")
+    add_flag(
+        p,
+        "--http-port",
+        default=ports.FRONTEND_HTTP_PORT,
+        type=int,
+        help="OpenAI-compatible HTTP port (-1 disables it)",
+    )
+    add_flag(p, "--scheduler-addr", default=f"localhost:{ports.SCHEDULER_PORT}", help="the scheduler's address")
     add_engine_flags(p, MODEL_FIELDS)
     add_flag(p, "--max-inflight", default=4096, type=int, help="requests in flight before RESOURCE_EXHAUSTED")
     add_flag(p, "--scheduler-timeout", default=600.0, type=float, help="seconds to wait for the scheduler at start")

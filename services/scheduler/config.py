@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from services.common import ports
 from services.common.engine_flags import SCHEDULER_FIELDS, add_engine_flags, engine_config_from_args
 from services.common.flags import add_flag
 from services.common.telemetry import SCHEDULER_SERVICE_NAME, TracingSettings, add_tracing_flags
@@ -38,8 +39,13 @@ class SchedulerConfig:
 def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
     p = argparse.ArgumentParser(prog="pagoda scheduler", description="Pagoda scheduler: continuous batching")
     add_flag(p, "--host", default="127.0.0.1", help="address to bind (internal: loopback unless told otherwise)")
-    add_flag(p, "--scheduler-port", default=50052, type=int, help="gRPC port (0 picks a free one)")
-    add_flag(p, "--worker-addrs", default="localhost:50053", help="comma-separated worker addresses, rank order")
+    add_flag(p, "--scheduler-port", default=ports.SCHEDULER_PORT, type=int, help="gRPC port (0 picks a free one)")
+    add_flag(
+        p,
+        "--worker-addrs",
+        default=f"localhost:{ports.WORKER_PORT}",
+        help="comma-separated worker addresses, rank order",
+    )
     add_engine_flags(p, SCHEDULER_FIELDS)
     add_flag(p, "--max-waiting-requests", default=1024, type=int, help="queued requests before RESOURCE_EXHAUSTED")
     add_flag(p, "--worker-timeout", default=600.0, type=float, help="seconds to wait for workers to be ready")
@@ -50,7 +56,13 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
     add_flag(p, "--heartbeat-timeout", default=5.0, type=float, help="seconds a worker has to answer a heartbeat")
     add_flag(p, "--drain-timeout", default=20.0, type=float, help="seconds to finish in-flight requests on SIGTERM")
     TlsFiles.add_flags(p)
-    add_flag(p, "--metrics-port", default=8001, type=int, help="Prometheus /metrics port on --host (-1 disables)")
+    add_flag(
+        p,
+        "--metrics-port",
+        default=ports.SCHEDULER_METRICS_PORT,
+        type=int,
+        help="Prometheus /metrics port on --host (-1 disables)",
+    )
     add_tracing_flags(p)
     a = p.parse_args(argv)
     try:

@@ -257,6 +257,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             prefix_cache_queries=e.prefix_cache_queries,
             prefix_cache_hits=e.prefix_cache_hits,
             preemptions=e.preemptions,
+            prefix_cache_evictions=e.prefix_cache_evictions,
             steps=s.steps,
             draining=self.draining,
             step_seconds=s.step_seconds,

@@ -6,6 +6,7 @@ import argparse
 from dataclasses import dataclass
 
 from engine_core.config import EngineConfig
+from services.common import ports
 from services.common.engine_flags import MODEL_FIELDS, WORKER_FIELDS, add_engine_flags, engine_config_from_args
 from services.common.flags import add_flag
 from services.common.telemetry import WORKER_SERVICE_NAME, TracingSettings, add_tracing_flags
@@ -27,12 +28,18 @@ class WorkerConfig:
 def parse_worker_args(argv: list[str] | None = None) -> WorkerConfig:
     p = argparse.ArgumentParser(prog="pagoda worker", description="Pagoda worker: runs the model on the KV cache")
     add_flag(p, "--host", default="127.0.0.1", help="address to bind (internal: loopback unless told otherwise)")
-    add_flag(p, "--worker-port", default=50053, type=int, help="gRPC port (0 picks a free one)")
+    add_flag(p, "--worker-port", default=ports.WORKER_PORT, type=int, help="gRPC port (0 picks a free one)")
     add_engine_flags(p, MODEL_FIELDS + WORKER_FIELDS)
     # NOTE: longer than the scheduler's 20 s, so the worker serves the steps of the scheduler's whole drain.
     add_flag(p, "--drain-timeout", default=25.0, type=float, help="seconds to drain after SIGTERM")
     add_flag(p, "--drain-idle", default=1.0, type=float, help="idle seconds that end a drain")
-    add_flag(p, "--metrics-port", default=8002, type=int, help="Prometheus /metrics port on --host (-1 disables)")
+    add_flag(
+        p,
+        "--metrics-port",
+        default=ports.WORKER_METRICS_PORT,
+        type=int,
+        help="Prometheus /metrics port on --host (-1 disables)",
+    )
     add_tracing_flags(p)
     TlsFiles.add_flags(p)
     a = p.parse_args(argv)

@@ -101,3 +101,21 @@ def test_explicit_setting_is_respected() -> None:
         TRITON_INTERPRET="0",
     )
     assert res.returncode == 0, res.stderr
+
+
+@pytest.mark.slow
+def test_the_engine_runs_after_a_script_imported_transformers_and_triton() -> None:
+    """A new user's script may import transformers (which imports triton) before the engine: the CPU backends never
+    run a Triton kernel, so that order must work; only the Triton backend on a CUDA-less machine needs the switch."""
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the interpreter stays off whatever the import order")
+    res = _python(
+        "import transformers, triton\n"
+        "from engine_core import LLM, SamplingParams\n"
+        "llm = LLM(kv_cache_memory=0.1)\n"
+        "out = llm.generate(['The capital of France is'], SamplingParams(temperature=0, max_tokens=4))\n"
+        "assert len(out[0].outputs[0].token_ids) == 4\n"
+    )
+    assert res.returncode == 0, res.stderr
+    triton_backend = _python("import triton\nfrom engine_core import LLM\nLLM(attention_backend='triton')\n")
+    assert triton_backend.returncode != 0 and "configure_triton_interpret() ran" in triton_backend.stderr

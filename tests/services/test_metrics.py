@@ -55,7 +55,7 @@ def test_engine_stats_collector_exports_the_snapshot_or_nothing() -> None:
     assert samples(registry) == {}  # no snapshot: no made-up zeros
     latest[0] = scheduler_pb2.StatsResponse(
         running_requests=2, waiting_requests=3, kv_usage=0.25, prefix_cache_queries=64, prefix_cache_hits=16,
-        preemptions=4,
+        preemptions=4, prefix_cache_evictions=5,
     )  # fmt: skip
     s = samples(registry)
     model = (("model_name", MODEL),)
@@ -65,3 +65,4 @@ def test_engine_stats_collector_exports_the_snapshot_or_nothing() -> None:
     assert s[("pagoda:prefix_cache_queries_total", model)] == 64
     assert s[("pagoda:prefix_cache_hits_total", model)] == 16
     assert s[("pagoda:num_preemptions_total", model)] == 4
+    assert s[("pagoda:prefix_cache_evictions_total", model)] == 5
