@@ -18,7 +18,7 @@ from typing import IO, Any
 
 from services.common import ports
 from services.common.engine_flags import field_default
-from services.common.health import NOT_SERVING, SERVING, check
+from services.common.health import SERVING, check
 from services.common.tls import TlsFiles
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 
@@ -205,11 +205,6 @@ class LocalCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not healthy after {timeout:.0f} s: {[s.name for s in pending]}")
             time.sleep(0.05)
-
-    def saw_not_serving_first(self, name: str) -> bool:
-        """True when `name` answered NOT_SERVING (while loading) before SERVING."""
-        seen = [s for s in self.service(name).observed if s is not None]
-        return bool(seen) and seen[0] == NOT_SERVING and seen[-1] == SERVING
 
     def service(self, name: str) -> Service:
         return next(s for s in self.services if s.name == name)

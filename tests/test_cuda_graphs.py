@@ -57,7 +57,7 @@ def test_device_inputs_pad_and_check_sizes() -> None:
     inputs = DeviceInputs(torch.device("cpu"), _specs(8, 4), persistent=True)
     a = inputs.put("positions", np.arange(3), pad_to=4)
     inputs.put("positions", np.arange(10, 12), pad_to=4)
-    assert a.tolist() == [10, 11, 0, 0] and a.data_ptr() == inputs.device_tensor("positions").data_ptr()
+    assert a.tolist() == [10, 11, 0, 0] and a.data_ptr() == inputs._dev["positions"].data_ptr()
 
 
 def _eager_meta(lens: np.ndarray, tables: np.ndarray, slots: np.ndarray, width: int) -> AttentionMetadata:

@@ -63,9 +63,6 @@ class KVCacheManager:
         self.stats.queries += seq.num_prompt_tokens
         self.stats.hits += min(len(hit) * self.block_size, seq.num_prompt_tokens)
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix: list[KVBlock] | None = None) -> bool:
-        return self.blocks_needed(seq, num_new_tokens, prefix) <= self._available(prefix or [])
-
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, prefix: list[KVBlock] | None = None) -> int:
         """New blocks `allocate` would take for `num_new_tokens` more tokens (after `prefix`)."""
         prefix = prefix or []

@@ -102,7 +102,3 @@ class DeviceInputs:
         dev = self._dev[name][:m]
         dev.copy_(host, non_blocking=True)
         return dev
-
-    def device_tensor(self, name: str) -> torch.Tensor:
-        """The whole persistent device tensor of `name`: a CUDA graph's static input."""
-        return self._dev[name]
