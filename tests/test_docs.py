@@ -18,6 +18,10 @@ GENERATED = (ROOT / "services" / "pb",)
 # nothing to a reader elsewhere; the fact it stood for belongs in the text, with its number.
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|root|tmp)/")
 WORK_SESSION = re.compile(r"\bsessions? \d+", re.IGNORECASE)
+# How docs and comments cite a section: the file, a comma and the heading in double quotes (which may wrap), or a
+# markdown link to the heading's anchor.
+SECTION_REF = re.compile(r'(\w+)\.md,?\s+"([^"]+)"')
+ANCHOR_REF = re.compile(r"\((\w+)\.md#([\w-]+)\)")
 C_COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
 SHELL_COMMENT = re.compile(r"(?:^|\s)#[^\n]*")
 
@@ -107,3 +111,37 @@ def test_architecture_file_table_lists_every_engine_core_module() -> None:
     assert len(listed) == len(set(listed)), "a module is listed twice"
     assert sorted(set(listed) - modules) == [], "listed but not in engine_core/"
     assert sorted(modules - set(listed)) == [], "in engine_core/ but not listed"
+
+
+def headings(doc: str) -> list[str]:
+    return [
+        line.lstrip("#").strip()
+        for line in (ROOT / "docs" / f"{doc}.md").read_text().splitlines()
+        if line.startswith("#")
+    ]
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def cited_sections(text: str) -> list[tuple[str, str]]:
+    refs = [(doc, " ".join(title.split())) for doc, title in SECTION_REF.findall(text)]
+    return refs + [(doc, "#" + a) for doc, a in ANCHOR_REF.findall(text)]
+
+
+def test_section_references_name_existing_sections() -> None:
+    texts = [(p.name, p.read_text(encoding="utf-8")) for p in sorted((ROOT / "docs").glob("*.md"))]
+    texts += [(str(p.relative_to(ROOT)), t) for p in code_files() for t in comments_of(p)]
+    known = {p.stem for p in (ROOT / "docs").glob("*.md")}
+    refs = [(where, doc, title) for where, text in texts for doc, title in cited_sections(text) if doc in known]
+    assert len(refs) > 20, "the reference pattern no longer matches how the docs cite sections"
+    broken = [
+        f"{where}: {doc}.md {title}"
+        for where, doc, title in refs
+        if (
+            title[1:] not in {anchor(h) for h in headings(doc)} if title.startswith("#") else title not in headings(doc)
+        )
+    ]
+    assert not broken, broken
