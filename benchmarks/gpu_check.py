@@ -393,7 +393,7 @@ def section_throughput(c: Check) -> dict[str, object]:
     pagoda, _ = bench.run_pagoda(wl, args)
     _free_gpu_memory()
     # NOTE: before/after of the mixed-step CUDA graphs (engine_core/worker/mixed_graphs.py) in the same run: steps with
-    # prefill chunks launched eagerly, decode-only steps still graphs (what sessions 5 and before measured).
+    # prefill chunks launched eagerly, decode-only steps still graphs ("before" in docs/benchmarks.md, "GPU (H100)").
     eager_mixed, _ = bench.run_pagoda(wl, argparse.Namespace(**(vars(args) | {"mixed_graphs": False})))
     _free_gpu_memory()
     hf = bench.run_hf(wl, args, str(c.model_dir()))

@@ -2,7 +2,7 @@
 completion answered, as side_by_side.py times it, and the worker's `model loaded` seconds.
 
 `--evict` first drops the model's weight file from the page cache (POSIX_FADV_DONTNEED), as on a node that has not
-read it yet; how much that costs depends on the disk (docs/benchmarks.md, session 13, throttles it with a cgroup).
+read it yet; how much that costs depends on the disk (docs/benchmarks.md, "Start-up", throttles it with a cgroup).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/startup.py [--rounds 3] [--evict] [--model PATH]
 """

@@ -34,7 +34,7 @@ log = structlog.get_logger(__name__)
 # both are small and the hop is a large part of the step (batch 1 here: ~2 of ~10 ms); behind a long one (a 32-row
 # decode step on 2 CPU cores is ~110 ms, a 2,048-token prefill ~2.5 s) the hop is under 2 % while the wait is a whole
 # step: requests arriving while 32 streams decoded had a TTFT p50 of 432-466 ms with every step planned ahead, 313-384
-# with none, 312-371 with this bound (docs/benchmarks.md, session 12). So a step is planned ahead only after a step
+# with none, 312-371 with this bound (docs/benchmarks.md, "Serving TTFT"). So a step is planned ahead only after a step
 # shorter than this.
 PIPELINE_MAX_STEP_S = 0.05
 

@@ -4,7 +4,7 @@ NOTE: its own module so that the worker's import path (model_runner -> model_loa
 importing `model_files`, whose `AutoTokenizer` import pulls in transformers' tokenizer stack. On the GPU image
 (torch 2.11+cu130, transformers 5.17, triton installed) that chain reached `transformers.generation.utils` ->
 `masking_utils` -> `torch._dynamo`, whose utils import triton: Triton in the CPU engine, which
-tests/kernels/test_triton_mode.py::test_cpu_kernels_and_the_cpu_engine_import_no_triton forbids (seen in session 6;
+tests/kernels/test_triton_mode.py::test_cpu_kernels_and_the_cpu_engine_import_no_triton forbids (seen on the GPU image;
 the CPU machine's transformers 5.23 and CPU torch do not take that path, so only the GPU run shows it).
 """
 

@@ -10,7 +10,7 @@ same Rust object's calls transformers makes, and chat templates render in transf
 (`chat_template.py`).
 
 NOTE: why: importing transformers' tokenizer stack imports torch (configuration_utils -> modeling_rope_utils), ~3 s of
-CPU and ~240 MB in the frontend, which needs neither (measured in decisions.md, session 14).
+CPU and ~240 MB in the frontend, which needs neither (docs/decisions.md, "Tokenizer").
 """
 
 from __future__ import annotations

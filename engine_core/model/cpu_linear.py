@@ -1,48 +1,14 @@
 """CPU float32 projections: each GEMM goes to the implementation that is fastest for its row count.
 
-Measured on the 2-core EPYC (Zen 4: AVX-512 for `-march=native`) over SmolLM2's 30 layers of projections and its
-49152x576 LM head (`benchmarks/cpu_bench.py gemm`, ms; a shared machine, so +-5 %):
-
-| rows | MKL `F.linear` | oneDNN, packed at load | `panel_linear` (kernels/cpu), packed at load |
-| ---- | -------------- | ---------------------- | -------------------------------------------- |
-| 1    | 35.8           | 22.3 (LM head 4.8)     | **14.0** (LM head **3.1**)                   |
-| 4    | 48.6           | 17.9 (3.8)             | **14.2** (**3.3**)                           |
-| 8    | 44.8           | 26.4 (4.9)             | **15.7** (**4.1**)                           |
-| 16   | 53.5           | 27.3 (6.1)             | **21.6** (**5.2**)                           |
-| 64   | 105.6          | 75.3 (17.8)            | **66.6** (17.8)                              |
-| 128  | 175.7          | 136.4 (**33.5**)       | 135.1 (35.5)                                 |
-| 256  | 312.4          | **255.4** (**79.9**)   | 264.5 (86.3)                                 |
-| 2048 | 2714           | **2137** (621)         | 2214 (708)                                   |
-
-(The streaming kernel it replaced at 1-4 rows: 17.6, 22.8 ms; LM head 3.9, 6.1.)
-
-At 1-4 rows a projection streams the weight (the panel layout is one sequential stream per core); from ~16 rows
-up it is compute bound, and the panel kernel's 12x32 register tile keeps the FMA units busy (~165-190 GFLOP/s).
-From 128 rows oneDNN and the panel kernel are within the machine's noise on the layers (panel vs oneDNN in other
-runs: 128 rows 143.3 vs 155.9 ms, 256: 285.6 vs 294.1, 192: 215.9 vs 201.4) and oneDNN wins the LM head by 6-8 %
-(non-temporal stores of its 49152-wide output did not close that), so oneDNN keeps 128-511 rows.
-From LARGE_M rows MKL runs only where it wins a race against oneDNN at load (`mkl_from_rows`; it lost here).
-
-Below CODED_M rows, a weight that is exactly GGUF blocks decoded (the default model's layers are Q4_1, its tied
-embedding Q8_0; `coded_pack` finds the codes and checks every weight) is read as its codes by `coded_linear`, which
-gives the panel kernel's bits from 6 or 9 bits per weight instead of 32 (same benchmark, session 10, ms):
-
-| rows | 30 layers: panel | coded    | LM head: panel | coded   |
-| ---- | ---------------- | -------- | -------------- | ------- |
-| 1    | 15.3             | **4.6**  | 3.0            | **1.0** |
-| 4    | 13.8             | **5.9**  | 3.2            | **1.3** |
-| 8    | 14.5             | **10.8** | 2.9            | 3.0     |
-| 16   | 20.4             | 19.7     | 6.3            | 5.6     |
-| 32   | 39.0             | 39.3     | 9.8            | 11.0    |
-| 64   | 79.2             | 79.0     | 19.3           | 20.9    |
-
-Each block of 8 rows decodes the weight again, so from ~16 rows the kernel is FMA-bound like the panel kernel, and
-from 32 rows the float32 panels (kept for those rows) are as fast or faster.
+Below CODED_M rows a weight that is exactly GGUF blocks decoded (`coded_pack` finds and checks the codes) runs
+`coded_linear` on its codes, other weights the `panel_linear` kernel; from ONEDNN_M rows oneDNN with the weight packed
+at load; from LARGE_M rows MKL, only where it wins a one-time race against oneDNN (`mkl_from_rows`). Without the
+native kernels every row count below `mkl_from_rows()` goes to oneDNN. The measurements behind the thresholds are in
+docs/benchmarks.md, "CPU GEMMs by row count".
 
 NOTE: memory: three copies of each weight (plain for MKL and the tied embedding, oneDNN, panels): +0.5 GB for
 SmolLM2 over the two before, and ~0.11 GB of code records where the weights have them; `onednn_from=None` drops
 the oneDNN copy for at most ~5 % at 128-511 rows.
-Without the native kernels every row count below `mkl_from_rows()` goes to oneDNN.
 """
 
 from __future__ import annotations
@@ -67,8 +33,8 @@ def mkl_from_rows() -> int:
     """Rows from which prefill-sized GEMMs go to MKL: LARGE_M where MKL wins a one-time race against oneDNN on this
     CPU (~0.1 s, once per process), else NEVER.
 
-    NOTE: the winner depends on the machine. On the AVX2 EPYC of sessions 1-3 MKL was 7-13 % faster at 2048 rows;
-    on the Zen 4 (AVX-512) EPYC of session 4 oneDNN was 1.3-1.8x faster at 512 and 2048 rows over every SmolLM2
+    NOTE: the winner depends on the machine. On an AVX2 EPYC MKL was 7-13 % faster at 2048 rows;
+    on a Zen 4 (AVX-512) EPYC oneDNN was 1.3-1.8x faster at 512 and 2048 rows over every SmolLM2
     projection (MKL keeps generic code paths on non-Intel CPUs). oneDNN keeps ties: its copy of the weight exists
     anyway.
     """

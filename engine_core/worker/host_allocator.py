@@ -6,7 +6,7 @@ threshold are unmapped, a free top of the heap is trimmed, and a thread's own ar
 faults it in again, page by page, at several microseconds a fault on this 2-core VM. In the worker, whose steps run on
 their own thread, the first 2,048-token step of a 64-stream load took 2.5-3.1 s with 26,000-118,000 page faults
 against 2.3-2.5 s for the next ones, a delay that lands on every request's TTFT; some loads re-faulted over 50,000
-pages in each of five or six later steps (docs/benchmarks.md, session 8).
+pages in each of five or six later steps (docs/benchmarks.md, "The worker's allocator").
 
 `retain_freed_memory` makes the process one heap that keeps what it frees: every thread allocates from the main
 arena (M_ARENA_MAX 1), every chunk below 32 MiB comes from that heap (M_MMAP_THRESHOLD at its maximum, which also
@@ -14,18 +14,18 @@ stops glibc from starting at 128 KiB and raising it as chunks are freed) and the
 free top (M_TRIM_THRESHOLD, the most mallopt takes). Freed activations are reused by later steps.
 
 NOTE: chunks of 32 MiB and more (the model loader's temporaries; no activation of a 2,048-token step of the default
-model is that large) are still mapped on their own and unmapped when freed. Mapping none (M_MMAP_MAX 0, session 8)
+model is that large) are still mapped on their own and unmapped when freed. Mapping none (M_MMAP_MAX 0, tried first)
 kept the loader's temporaries in the heap (~100 MB more RSS) and let one large size, allocated and freed again and
 again, grow the heap by its size for up to a dozen rounds: torch's posix_memalign frees a small remainder beside each
-chunk, which keeps the freed chunk from merging, so the next request of that size does not fit in it (decisions.md,
-session 9).
+chunk, which keeps the freed chunk from merging, so the next request of that size does not fit in it
+(docs/decisions.md, "Memory").
 
 NOTE: the price is that the process keeps its high-water mark of heap memory (the largest step's activations) for
 its lifetime, which is what a dedicated worker process wants (the serving processes' peak RSS did not grow:
-4.56-4.59 GB with it, 4.56-4.67 GB without, session 8; 4.88-4.92 GB either way, session 9). The KV cache is not on
-the heap (host_memory.py maps it), so it is not affected. These are process-wide settings: the worker applies them
-at start; the in-process `LLM` leaves its host process's allocator alone (offline, where steps run on the main
-thread, it gained 1 %: inside the noise, decisions.md).
+4.56-4.59 GB with it, 4.56-4.67 GB without; 4.88-4.92 GB with M_MMAP_MAX 0 or this threshold, in another window).
+The KV cache is not on the heap (host_memory.py maps it), so it is not affected. These are process-wide settings:
+the worker applies them at start; the in-process `LLM` leaves its host process's allocator alone (offline, where
+steps run on the main thread, it gained 1 %: inside the noise, docs/decisions.md, "Memory").
 """
 
 from __future__ import annotations

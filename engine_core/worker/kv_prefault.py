@@ -13,7 +13,7 @@ chunk together), so the blocks the first requests get are the first ready.
 NOTE: it only runs while no step does: the runner pauses it for each step, and a call (a chunk of `CHUNK_BLOCKS`
 blocks of one layer's K or V, ~0.4 MiB, ~1 ms) starts only after `IDLE_S` without a step, so at most one call
 overlaps a step's start, and only a step that follows a pause. A thread that ran alongside the steps at low priority
-slowed the first request of `pagoda serve --demo` from 369 to 782 ms (session 4): page faults and memory bandwidth
+slowed the first request of `pagoda serve --demo` from 369 to 782 ms: page faults and memory bandwidth
 are not shared by CPU priority. The thread releases the GIL in each call (ctypes).
 NOTE: `IDLE_S` because steps run back to back with async scheduling (the next one is queued when one ends): a call
 started in the microseconds between two steps ran ~1 ms into the next, ~10 % of a batch-1 step, in every step until

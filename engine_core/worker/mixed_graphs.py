@@ -1,6 +1,6 @@
 """CUDA graphs for steps that carry prefill chunks ("mixed" steps): the whole forward replayed as one launch.
 
-NOTE: measured on an H100 (session 6, `benchmarks/step_profile.py`, SmolLM2-135M shapes, bf16, 1,024 requests):
+NOTE: measured on an H100 (`benchmarks/step_profile.py`, SmolLM2-135M shapes, bf16, 1,024 requests):
 the 395 steps that carried a prefill chunk ran eagerly, host-bound, ~25 ms each (a Triton launch costs ~55 us of
 host time through triton's Python launcher, ~240 of them per step, plus the GEMMs); one such step of 2,048 tokens
 took 28.9 ms to launch and 2.8 ms on the GPU when replayed as one graph. Decode-only steps already replayed graphs

@@ -6,7 +6,7 @@ spin (GNU OpenMP spins ~300,000 iterations, measured ~6 ms of CPU, after every p
 worker computes on. So both run with one intra-op thread and a passive OpenMP wait policy.
 
 The worker keeps a team as large as its cores and OpenMP's default wait policy (GNU OpenMP spins briefly at each
-barrier before it sleeps). NOTE: measured on 2 quiet cores (docs/benchmarks.md, "`pagoda serve` thread placement"),
+barrier before it sleeps). NOTE: measured on 2 quiet cores (docs/benchmarks.md, "Worker threads and OpenMP waits"),
 passive waiting cost the worker a futex wake per parallel region, ~150 per decode step: 64 streams 337 vs 402 total
 tok/s and batch 1 37.8 vs 27.7 ms/token; a shorter spin (GOMP_SPINCOUNT=20000) was within the noise of the default.
 Spinning only hurts where the worker's cores are oversubscribed (other busy processes on them): set
@@ -28,7 +28,7 @@ def default_worker_threads(num_workers: int = 1) -> int:
     """Torch threads per worker of `pagoda serve`: the usable CPUs (affinity, capped by a CPU limit) shared by the
     workers, none held back.
 
-    NOTE: measured on 2 cores (docs/benchmarks.md, "`pagoda serve` thread placement"): holding a core back for the
+    NOTE: measured on 2 cores (docs/benchmarks.md, "Worker threads and OpenMP waits"): holding a core back for the
     scheduler and frontend (the old default, cores - 1) cost 38 % of the throughput at 64 streams (243 vs 390 total
     tok/s), while those two processes use a fraction of one core (CPU seconds per 1,000 tokens in
     benchmarks/side_by_side.py) once they neither spin nor run OpenMP teams of their own.
