@@ -274,7 +274,9 @@ def report(offline: list[OfflineRow], serving: list[ServingRow]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vllm-venv", default=os.environ.get("PAGODA_VLLM_VENV", "/work/peers/vllm-venv"))
+    ap.add_argument(
+        "--vllm-venv", default=os.environ.get("PAGODA_VLLM_VENV", str(Path.home() / ".cache/pagoda/peers/vllm-venv"))
+    )
     ap.add_argument("--model", default=None, help="HF dir or .gguf (default SmolLM2-135M-Instruct, converted)")
     ap.add_argument("--engines", default="pagoda,vllm", help="comma list of pagoda, vllm, transformers (offline)")
     ap.add_argument("--modes", default="offline,serving")

