@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,19 +52,72 @@ def test_hadolint_accepts_the_dockerfile() -> None:
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@dataclass
+class Stage:
+    base: str
+    lines: list[str]  # its instructions, continuation lines joined
+
+
+def _stages(text: str) -> dict[str, Stage]:
+    """The Dockerfile's stages by name, each with its base and instructions (comments dropped)."""
+    logical = re.sub(r"\\\n", " ", "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#")))
+    stages: dict[str, Stage] = {}
+    current: Stage | None = None
+    for line in logical.splitlines():
+        if m := re.match(r"FROM (\S+) AS (\S+)$", line):
+            current = stages[m.group(2)] = Stage(m.group(1), [])
+        elif current is not None and line.strip():
+            current.lines.append(line.strip())
+    return stages
+
+
+def _runtime_chain(text: str, variant: str) -> list[str]:
+    """The instructions of the runtime image built with VARIANT=variant, from its first base stage on."""
+    stages = _stages(text)
+    chain: list[str] = []
+    name = "runtime"
+    while name in stages:
+        chain = stages[name].lines + chain
+        name = stages[name].base.replace("${VARIANT}", variant)
+    return chain
+
+
+def _installs(chain: list[str]) -> set[str]:
+    return {pkg for ln in chain if "apt-get install" in ln for pkg in re.findall(r"(?<![-\w])([a-z][\w.+-]*)", ln)}
+
+
+def _env(chain: list[str]) -> dict[str, str]:
+    return {k: v for ln in chain if ln.startswith("ENV ") for k, v in re.findall(r"(\w+)=(\S+)", ln)}
+
+
 def test_dockerfile_bakes_weights_and_kernels_and_runs_unprivileged() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
-    stages = re.findall(r"(?m)^FROM \S+ AS (\w+)$", text)
-    assert stages == ["builder", "runtime"]
-    runtime = text.split("AS runtime", 1)[1]
-    assert re.search(r"(?m)^USER 10001:10001$", runtime)  # numeric: runAsNonRoot can verify it
-    assert "ENV PATH=/opt/venv/bin:$PATH" in runtime and "PAGODA_CACHE=/opt/pagoda/cache" in runtime
+    stages = re.findall(r"(?m)^FROM \S+ AS ([\w-]+)$", text)
+    assert stages[0] == "builder" and stages[-1] == "runtime"
+    for variant in ("cpu", "cuda"):
+        runtime = _runtime_chain(text, variant)
+        assert "USER 10001:10001" in runtime  # numeric: runAsNonRoot can verify it
+        env = _env(runtime)
+        assert env["PATH"] == "/opt/venv/bin:$PATH" and env["PAGODA_CACHE"] == "/opt/pagoda/cache"
+        assert 'ENTRYPOINT ["pagoda"]' in runtime and "libgomp1" in _installs(runtime)
     assert "python -m kernels.cpu" in text and "resolve_model_dir(None" in text
     assert re.search(r"(?m)^ARG VARIANT=cpu$", text) and "cuda)" in text
-    assert 'ENTRYPOINT ["pagoda"]' in runtime
     # The chart's podSecurityContext runs as the image's user.
     values = yaml.safe_load((ROOT / "helm" / "pagoda" / "values.yaml").read_text())
     assert values["podSecurityContext"]["runAsUser"] == 10001 and values["cache"]["path"] == "/opt/pagoda/cache"
+
+
+def test_only_the_cuda_image_has_a_compiler_and_the_gpu_settings() -> None:
+    """Triton builds its launcher with `cc` at first use (CUDA image); the CPU image has neither a compiler nor
+    NVIDIA_VISIBLE_DEVICES (which would expose a node's GPUs to a CPU pod under the NVIDIA runtime)."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    cpu, cuda = _runtime_chain(text, "cpu"), _runtime_chain(text, "cuda")
+    assert {"gcc", "libc6-dev"} <= _installs(cuda)
+    assert not _installs(cpu) & {"gcc", "g++", "clang", "build-essential", "libc6-dev"}
+    assert _env(cuda)["NVIDIA_VISIBLE_DEVICES"] == "all" and "NVIDIA_DRIVER_CAPABILITIES" in _env(cuda)
+    assert not any(k.startswith("NVIDIA_") for k in _env(cpu))
+    # Both variants end in the same runtime instructions (user, entrypoint, environment).
+    assert cpu[-6:] == cuda[-6:]
 
 
 def _compose() -> dict[str, Any]:
