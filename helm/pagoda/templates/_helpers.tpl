@@ -36,7 +36,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 
 {{/* Addresses inside the cluster. */}}
 {{- define "pagoda.schedulerAddr" -}}
-{{ include "pagoda.name" (dict "root" . "component" "scheduler") }}.{{ .Release.Namespace }}.svc.cluster.local:{{ .Values.scheduler.port }}
+{{ include "pagoda.name" (dict "root" . "component" "scheduler") }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.scheduler.port }}
 {{- end -}}
 
 {{/* The workers in rank order: the StatefulSet's pod DNS names under its headless Service. */}}
@@ -44,7 +44,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- $name := include "pagoda.name" (dict "root" . "component" "worker") -}}
 {{- $addrs := list -}}
 {{- range $rank := until (int .Values.worker.replicas) -}}
-{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc.cluster.local:%d" $name $rank $name $.Release.Namespace (int $.Values.worker.port)) -}}
+{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc.%s:%d" $name $rank $name $.Release.Namespace $.Values.clusterDomain (int $.Values.worker.port)) -}}
 {{- end -}}
 {{- join "," $addrs -}}
 {{- end -}}
@@ -236,5 +236,46 @@ securityContext:
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A component's init containers (`<component>.initContainers`): as given, with the chart's
+containerSecurityContext when one sets none. */}}
+{{- define "pagoda.initContainers" -}}
+{{- $out := list -}}
+{{- range .values.initContainers -}}
+{{- $ic := deepCopy . -}}
+{{- if not (hasKey $ic "securityContext") -}}
+{{- $_ := set $ic "securityContext" $.root.Values.containerSecurityContext -}}
+{{- end -}}
+{{- $out = append $out $ic -}}
+{{- end -}}
+{{- with $out }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* A component's pod-level escape hatches: PriorityClass and init containers. */}}
+{{- define "pagoda.podExtras" -}}
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- with include "pagoda.initContainers" . | trim }}
+initContainers:
+  {{- . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* How Prometheus reaches a /metrics endpoint: HTTPS verified with the release's CA when TLS is on (every service
+then serves its metrics with its certificate), else plain HTTP. `serverName`: a Service the certificate names. */}}
+{{- define "pagoda.scrapeScheme" -}}
+{{- if .root.Values.security.tls.existingSecret }}
+scheme: https
+tlsConfig:
+  ca:
+    secret:
+      name: {{ .root.Values.security.tls.existingSecret }}
+      key: ca.crt
+  serverName: {{ .serverName }}
+{{- else }}
+scheme: http
 {{- end }}
 {{- end -}}
