@@ -12,10 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.flags import env_name
+from services.common.metrics import EngineStatsCollector
 from services.common.probe import parse_probe_args
-from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
+from services.frontend.metrics import RequestMetrics
+from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE, scheduler_pb2
+from services.scheduler.metrics import StepMetrics
 from tests.deploy.conftest import ROOT
 from tests.deploy.pagoda_args import DIRECT_ENV, PARSERS, environment, service_flags
 
@@ -41,6 +46,11 @@ METRICS = {
     "request_prompt_tokens",
     "request_generation_tokens",
     "iteration_tokens_total",
+    # Issue 34's operator metrics (docs/observability.md).
+    "prefix_cache_evictions_total",
+    "request_rejections_total",
+    "worker_resets_total",
+    "step_deadline_misses_total",
 }
 
 
@@ -167,3 +177,35 @@ def test_dashboard_uses_the_observability_metric_names() -> None:
         assert needed in used, needed
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
+
+
+def _exported_names(registry: CollectorRegistry) -> set[str]:
+    return {s.name for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+
+
+def test_dashboard_reads_engine_counters_from_the_schedulers_only() -> None:
+    """Every frontend re-exports the scheduler's engine counters (EngineStatsCollector): a panel that sums them over
+    all series counts each event once per frontend plus once. The dashboard reads them from the scheduler jobs,
+    which its `scheduler_job` variable finds by a metric that the scheduler alone exports."""
+    dashboard = json.loads((DEPLOY / "grafana" / "pagoda-dashboard.json").read_text())
+    snapshot = scheduler_pb2.StatsResponse(running_requests=1, preemptions=1, prefix_cache_hits=1)
+    frontend = CollectorRegistry()
+    RequestMetrics(frontend, "m", max_model_len=16)
+    frontend.register(EngineStatsCollector(lambda: snapshot, lambda: "m"))
+    engine = CollectorRegistry()
+    engine.register(EngineStatsCollector(lambda: snapshot, lambda: "m"))
+    scheduler = CollectorRegistry()
+    StepMetrics(scheduler, "m").observe(8)
+    re_exported_counters = {n for n in _exported_names(engine) if n.endswith("_total")}
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "scheduler_job"]
+    (marker,) = re.findall(r"label_values\(([\w:]+), job\)", variable["query"]["query"])
+    assert marker in _exported_names(scheduler) and marker not in _exported_names(frontend)
+    assert "allValue" not in variable  # "All" is the list of scheduler jobs, never ".*"
+    checked = 0
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for name, selector in re.findall(r"(pagoda:\w+)\{([^}]*)\}", target["expr"]):
+                if name in re_exported_counters:
+                    assert 'job=~"$scheduler_job"' in selector, (panel["title"], target["expr"])
+                    checked += 1
+    assert checked >= 4  # preemptions, evictions, prefix-cache hits and queries
