@@ -18,14 +18,14 @@ RELEASE = "pg"
 NAMESPACE = "llm"
 # Value profiles: each file under helm/pagoda/ci/ on top of values.yaml ("default": values.yaml alone); "a+b" layers
 # b's file over a's, as `-f a -f b` does.
-SINGLE_PROFILES = ["default", "gpu", "cpu", "multi-worker", "observability", "secured", "extras"]
+SINGLE_PROFILES = ["default", "gpu", "cpu", "multi-worker", "observability", "secured", "extras", "repository"]
 # The combinations docs/deploy.md promises: TLS with observability (ServiceMonitor over HTTPS, KEDA autoscaling,
-# tracing), on GPUs, with several ranks and the frontends' HPA, with the escape hatches.
+# tracing), on GPUs, with several ranks and the frontends' HPA, with the escape hatches and fetched weights.
 COMBINED_PROFILES = [
     "secured+observability",
     "gpu+secured+observability",
     "gpu+multi-worker+secured",
-    "cpu+observability+extras",
+    "cpu+observability+extras+repository",
 ]
 PROFILES = SINGLE_PROFILES + COMBINED_PROFILES
 

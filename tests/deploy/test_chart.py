@@ -9,9 +9,10 @@ import pytest
 import yaml
 
 from services.common.health import LIVENESS_SERVICE
+from services.model_fetch import parse_args as parse_fetch_args
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 from tests.deploy.conftest import CHART, NAMESPACE, PROFILES, Rendered, helm, helm_template, profile_args
-from tests.deploy.pagoda_args import arg_value, pagoda_containers, parse_container
+from tests.deploy.pagoda_args import arg_value, container_env, pagoda_containers, parse_container
 
 # The oldest Kubernetes the chart supports (gRPC probes are GA in 1.27) and the newest offline schema.
 KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
@@ -312,6 +313,46 @@ def test_escape_hatches_reach_every_component(render: Any) -> None:
         assert {v["name"] for v in spec["volumes"]} <= {"tmp", "dshm", "cache", "model"}
 
 
+@pytest.mark.parametrize("profile", ["repository", "cpu+observability+extras+repository"])
+def test_repository_weights_are_fetched_by_an_init_container(render: Any, profile: str) -> None:
+    r: Rendered = render(profile)
+    repository = yaml.safe_load((CHART / "ci" / "repository-values.yaml").read_text())["model"]["repository"]
+    for component in ("frontend", "worker"):
+        spec = pod_spec(r.component(component))
+        (container,) = spec["containers"]
+        fetch = spec["initContainers"][0]  # before the operator's own init containers
+        assert fetch["name"] == "model-fetch" and fetch["command"] == ["python", "-m", "services.model_fetch"]
+        config = parse_fetch_args(fetch["args"])  # the real parser accepts the rendered arguments
+        assert (config.repo_url, config.revision) == (repository["url"], repository["revision"])
+        assert config.include == tuple(repository["include"])
+        # It fills the directory the service loads, on the volume the service mounts read-only.
+        assert str(config.dest) == container_env(r, container)["PAGODA_MODEL"]
+        (fetch_mount,) = [m for m in fetch["volumeMounts"] if m["name"] == "model"]
+        (model_mount,) = [m for m in container["volumeMounts"] if m["name"] == "model"]
+        assert not fetch_mount.get("readOnly") and model_mount["readOnly"] is True
+        assert fetch_mount["mountPath"] == model_mount["mountPath"] and str(config.dest).startswith(
+            fetch_mount["mountPath"] + "/"
+        )
+        (token,) = fetch["env"]
+        assert token["name"] == "HF_TOKEN"
+        assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
+        volume = next(v for v in spec["volumes"] if v["name"] == "model")
+        assert volume["emptyDir"]["sizeLimit"] == repository["sizeLimit"]
+    scheduler = pod_spec(r.component("scheduler"))
+    assert all(c["name"] != "model-fetch" for c in scheduler.get("initContainers", []))
+    assert "PersistentVolumeClaim" not in r.by_kind
+
+
+def test_repository_weights_into_an_existing_claim() -> None:
+    out = helm_template(*profile_args("repository"), "--set", "model.pvc.existingClaim=weights")
+    assert out.returncode == 0, out.stderr
+    objects = [o for o in yaml.safe_load_all(out.stdout) if o]
+    assert not [o for o in objects if o["kind"] == "PersistentVolumeClaim"]  # the operator's claim, written to
+    worker = next(o for o in objects if o["kind"] == "StatefulSet")
+    volume = next(v for v in pod_spec(worker)["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"] == {"claimName": "weights"}
+
+
 def test_notes_tell_how_to_call_generate(render: Any) -> None:
     notes = render("default").notes
     assert "kubectl -n llm port-forward svc/pg-pagoda-frontend 50051:50051" in notes
@@ -331,6 +372,8 @@ def test_notes_tell_how_to_call_generate(render: Any) -> None:
         "security.prefixCacheIsolation=tenant",
         "scheduler.drainTimeout=-1",
         "clusterDomain=Cluster_Local",
+        "model.source=repository",  # without model.repository.url
+        "model.repository.url=ftp://example.com/a/b",
         "worker.extraEnv[0].value=x",  # an env var without a name
         "frontend.initContainers[0].name=no-image",
         "scheduler.priorityClassName=1",

@@ -187,6 +187,15 @@ livenessProbe:
   hostPath:
     path: {{ .root.Values.model.hostPath }}
     type: Directory
+{{- else if eq .root.Values.model.source "repository" }}
+- name: model
+  {{- if .root.Values.model.pvc.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .root.Values.model.pvc.existingClaim }}
+  {{- else }}
+  emptyDir:
+    sizeLimit: {{ .root.Values.model.repository.sizeLimit }}
+  {{- end }}
 {{- end }}
 {{- if .root.Values.security.tls.existingSecret }}
 - name: tls
@@ -253,14 +262,58 @@ containerSecurityContext when one sets none. */}}
 {{- with $out }}{{ toYaml . }}{{ end -}}
 {{- end -}}
 
-{{/* A component's pod-level escape hatches: PriorityClass and init containers. */}}
+{{/* The init container that fills the model volume from `model.repository` (services/model_fetch.py); it alone
+mounts the volume writable. */}}
+{{- define "pagoda.modelFetch" -}}
+{{- $m := .Values.model -}}
+- name: model-fetch
+  image: {{ include "pagoda.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: [python, -m, services.model_fetch]
+  args:
+    - {{ printf "--repo-url=%s" $m.repository.url | quote }}
+    - {{ printf "--revision=%s" $m.repository.revision | quote }}
+    - {{ printf "--dest=%s" (include "pagoda.modelPath" .) | quote }}
+    {{- range $m.repository.include }}
+    - {{ printf "--include=%s" . | quote }}
+    {{- end }}
+  {{- with $m.repository.tokenSecret.name }}
+  env:
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ . }}
+          key: {{ $m.repository.tokenSecret.key }}
+  {{- end }}
+  resources:
+    {{- toYaml $m.repository.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: dshm
+      mountPath: /dev/shm
+    - name: model
+      mountPath: {{ $m.mountPath }}
+{{- end -}}
+
+{{/* A component's pod-level fields: PriorityClass, and init containers (the model fetch first, where `fetch` and
+`model.source: repository`, then the component's own). */}}
 {{- define "pagoda.podExtras" -}}
 {{- with .values.priorityClassName }}
 priorityClassName: {{ . }}
 {{- end }}
-{{- with include "pagoda.initContainers" . | trim }}
+{{- $fetch := and .fetch (eq .root.Values.model.source "repository") }}
+{{- $own := include "pagoda.initContainers" . | trim }}
+{{- if or $fetch $own }}
 initContainers:
+{{- if $fetch }}
+  {{- include "pagoda.modelFetch" .root | nindent 2 }}
+{{- end }}
+{{- with $own }}
   {{- . | nindent 2 }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
