@@ -5,8 +5,8 @@
 
 The repository speaks the Hugging Face Hub's HTTP API (the Hub, its mirrors, a self-hosted one): the file list from
 `GET <endpoint>/api/models/<repo>/tree/<revision>?recursive=true`, each file from
-`GET <endpoint>/<repo>/resolve/<revision>/<path>`. `HF_TOKEN` (the chart takes it from a Secret) is sent as a Bearer
-token to the repository's own host only, never along a redirect to a CDN.
+`GET <endpoint>/<repo>/resolve/<revision>/<path>`. The token (`--token-file`, which the chart mounts from a Secret, or
+`HF_TOKEN`) is sent as a Bearer token to the repository's own host only, never along a redirect to a CDN.
 
 Every file is checked against what the listing gives: its size, and its SHA-256 (LFS files) or git blob SHA-1 (the
 others). A file is written under `<dest>/.partial/` and renamed into place once verified, so a reader never sees a
@@ -67,6 +67,9 @@ class FetchConfig:
     max_files: int = MAX_FILES
     max_total_bytes: int = MAX_TOTAL_BYTES
     timeout_s: float = TIMEOUT_S
+    # NOTE: wins over `token` (the chart mounts the Secret as a file: a token in the environment shows in
+    # `kubectl describe` and crash dumps); read when the fetch starts.
+    token_file: Path | None = None
 
     @property
     def endpoint_and_repo(self) -> tuple[str, str]:
@@ -100,17 +103,23 @@ class ModelFetcher:
         self.config = config
         self.endpoint, self.repo = config.endpoint_and_repo
         self.host = urllib.parse.urlsplit(self.endpoint).netloc
+        self.token = config.token
+        if config.token_file is not None:
+            try:
+                self.token = config.token_file.read_text().strip() or None
+            except OSError as e:
+                raise FetchError(f"--token-file {config.token_file}: {e.strerror}") from e
 
     def _open(self, url: str) -> http.client.HTTPResponse:
         request = urllib.request.Request(url, headers={"User-Agent": "pagoda-model-fetch"})
-        if self.config.token and urllib.parse.urlsplit(url).netloc == self.host:
+        if self.token and urllib.parse.urlsplit(url).netloc == self.host:
             # NOTE: unredirected: a redirect (the Hub sends LFS files to a CDN) never carries the token along.
-            request.add_unredirected_header("Authorization", f"Bearer {self.config.token}")
+            request.add_unredirected_header("Authorization", f"Bearer {self.token}")
         try:
             return urllib.request.urlopen(request, timeout=self.config.timeout_s)
         except urllib.error.HTTPError as e:
             if e.code in (401, 403):
-                hint = "HF_TOKEN is refused" if self.config.token else "the repository needs HF_TOKEN"
+                hint = "HF_TOKEN is refused" if self.token else "the repository needs HF_TOKEN"
                 raise FetchError(f"{url}: HTTP {e.code}: {hint}") from e
             if e.code == 404:
                 raise FetchError(f"{url}: HTTP 404: no such repository, revision or file") from e
@@ -234,10 +243,11 @@ def parse_args(argv: list[str] | None = None) -> FetchConfig:
     p.add_argument("--max-files", type=int, default=MAX_FILES)
     p.add_argument("--max-total-bytes", type=int, default=MAX_TOTAL_BYTES)
     p.add_argument("--timeout", type=float, default=TIMEOUT_S, help="seconds per HTTP read")
+    p.add_argument("--token-file", type=Path, default=None, help="a file holding the token (else $HF_TOKEN)")
     a = p.parse_args(argv)
     token = os.environ.get("HF_TOKEN") or None
     return FetchConfig(
-        a.repo_url, a.dest, a.revision, tuple(a.include), token, a.max_files, a.max_total_bytes, a.timeout
+        a.repo_url, a.dest, a.revision, tuple(a.include), token, a.max_files, a.max_total_bytes, a.timeout, a.token_file
     )
 
 

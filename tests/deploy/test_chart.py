@@ -333,13 +333,17 @@ def test_repository_weights_are_fetched_by_an_init_container(render: Any, profil
         assert fetch_mount["mountPath"] == model_mount["mountPath"] and str(config.dest).startswith(
             fetch_mount["mountPath"] + "/"
         )
-        (token,) = fetch["env"]
-        assert token["name"] == "HF_TOKEN"
-        assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "HF_TOKEN"}
+        # The token as a file from the Secret (never an environment variable), mounted in the init container only.
+        assert "env" not in fetch and arg_value(fetch, "--token-file") == "/etc/pagoda/hf-token/HF_TOKEN"
+        assert any(m["name"] == "hf-token" for m in fetch["volumeMounts"])
+        assert not any(m["name"] == "hf-token" for m in container["volumeMounts"])
+        secret = next(v for v in spec["volumes"] if v["name"] == "hf-token")["secret"]
+        assert secret["secretName"] == "hf-token" and secret["items"] == [{"key": "HF_TOKEN", "path": "HF_TOKEN"}]
         volume = next(v for v in spec["volumes"] if v["name"] == "model")
         assert volume["emptyDir"]["sizeLimit"] == repository["sizeLimit"]
     scheduler = pod_spec(r.component("scheduler"))
     assert all(c["name"] != "model-fetch" for c in scheduler.get("initContainers", []))
+    assert all(v["name"] != "hf-token" for v in scheduler["volumes"])
     assert "PersistentVolumeClaim" not in r.by_kind
 
 

@@ -194,6 +194,12 @@ def test_cli_exit_codes_and_bad_urls(hub: FakeHub, tmp_path: Path, monkeypatch: 
     assert main(["--repo-url", hub.url, "--dest", str(tmp_path / "m"), "--include", "*.json"]) == 0
     assert set(_files_under(tmp_path / "m")) == {"config.json", "tokenizer.json"}
     assert main(["--repo-url", hub.url.replace(REPO, "acme/missing"), "--dest", str(tmp_path / "x")]) == 1
+    # The token from a file (what the chart mounts) wins over the environment.
+    monkeypatch.setenv("HF_TOKEN", "wrong")
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    argv = ["--repo-url", hub.url, "--dest", str(tmp_path / "f"), "--include", "config.json"]
+    assert main([*argv, "--token-file", str(tmp_path / "token")]) == 0
+    assert main(argv) == 1  # the environment's token is refused
     for bad in ("ftp://127.0.0.1/acme/tiny", "http://127.0.0.1/only-one-part", "file:///etc/acme/x"):
         with pytest.raises(FetchError, match="--repo-url"):
             ModelFetcher(FetchConfig(bad, tmp_path / "y"))

@@ -196,6 +196,15 @@ livenessProbe:
   emptyDir:
     sizeLimit: {{ .root.Values.model.repository.sizeLimit }}
   {{- end }}
+{{- if and .fetch .root.Values.model.repository.tokenSecret.name }}
+- name: hf-token
+  secret:
+    secretName: {{ .root.Values.model.repository.tokenSecret.name }}
+    defaultMode: 0440
+    items:
+      - key: {{ .root.Values.model.repository.tokenSecret.key }}
+        path: {{ .root.Values.model.repository.tokenSecret.key }}
+{{- end }}
 {{- end }}
 {{- if .root.Values.security.tls.existingSecret }}
 - name: tls
@@ -277,14 +286,9 @@ mounts the volume writable. */}}
     {{- range $m.repository.include }}
     - {{ printf "--include=%s" . | quote }}
     {{- end }}
-  {{- with $m.repository.tokenSecret.name }}
-  env:
-    - name: HF_TOKEN
-      valueFrom:
-        secretKeyRef:
-          name: {{ . }}
-          key: {{ $m.repository.tokenSecret.key }}
-  {{- end }}
+    {{- if $m.repository.tokenSecret.name }}
+    - {{ printf "--token-file=/etc/pagoda/hf-token/%s" $m.repository.tokenSecret.key | quote }}
+    {{- end }}
   resources:
     {{- toYaml $m.repository.resources | nindent 4 }}
   securityContext:
@@ -296,6 +300,11 @@ mounts the volume writable. */}}
       mountPath: /dev/shm
     - name: model
       mountPath: {{ $m.mountPath }}
+    {{- if $m.repository.tokenSecret.name }}
+    - name: hf-token
+      mountPath: /etc/pagoda/hf-token
+      readOnly: true
+    {{- end }}
 {{- end -}}
 
 {{/* A component's pod-level fields: PriorityClass, and init containers (the model fetch first, where `fetch` and
