@@ -6,6 +6,9 @@ Which process exports what (each name has one owner; the frontend re-exports the
 - scheduler (`--metrics-port`): the engine's gauges and counters (`EngineStatsCollector`) and
   `iteration_tokens_total`.
 - worker (`--metrics-port`): step duration and batch size.
+Every registry also carries prometheus-client's `process_*` (CPU seconds, resident memory, open file descriptors,
+start time), `python_gc_*` and `python_info` collectors (`service_registry`). With TLS (`--tls-cert-file`), each
+service serves /metrics over HTTPS with its certificate (the frontend on its HTTP port, the others here).
 """
 
 from __future__ import annotations
@@ -13,10 +16,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import structlog
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Histogram,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from services.common.tls import TlsFiles
 from services.rpc import scheduler_pb2
 
 log = structlog.get_logger(__name__)
@@ -62,14 +73,26 @@ def buckets_1_2_5(maximum: int) -> list[float]:
         exponent += 1
 
 
-def serve_metrics(host: str, port: int, registry: CollectorRegistry) -> None:
-    """Serves `registry` at http://host:port/metrics on a daemon thread; port -1 disables."""
+def service_registry() -> CollectorRegistry:
+    """A service's registry: its own metrics plus the process, GC and platform collectors of the default registry
+    (an operator's `process_resident_memory_bytes`, `process_cpu_seconds_total`, `process_open_fds`)."""
+    registry = CollectorRegistry()
+    for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):
+        registry.register(collector)
+    return registry
+
+
+def serve_metrics(host: str, port: int, registry: CollectorRegistry, tls: TlsFiles | None = None) -> None:
+    """Serves `registry` at http(s)://host:port/metrics on a daemon thread; port -1 disables. With a certificate in
+    `tls` it is HTTPS (no client certificate asked: a scraper verifies the server with the CA, like the frontend's
+    HTTP port)."""
     if port < 0:
         return
+    cert, key = (tls.cert_file, tls.key_file) if tls is not None else (None, None)
     # NOTE: a port conflict fails the process at start, like its gRPC port would: a silent missing scrape
     # target is worse.
-    start_http_server(port, addr=host, registry=registry)
-    log.info("metrics listening", addr=f"{host}:{port}")
+    start_http_server(port, addr=host, registry=registry, certfile=cert, keyfile=key)
+    log.info("metrics listening", addr=f"{host}:{port}", scheme="https" if cert else "http")
 
 
 class EngineStatsCollector(Collector):

@@ -5,6 +5,7 @@ scheduler's engine gauges and counters (fetched with `Stats` at scrape time), so
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from enum import Enum
 
 import grpc
 from fastapi import FastAPI
@@ -22,6 +23,16 @@ from services.common.metrics import (
     model_histogram,
 )
 from services.rpc import common_pb2, scheduler_pb2
+
+
+class Rejection(Enum):
+    """Why a request was refused at admission, before it ran: (reason label, the HTTP status its client got; gRPC
+    clients get RESOURCE_EXHAUSTED for 429, UNAVAILABLE for 503)."""
+
+    MAX_INFLIGHT = ("max_inflight", "429")  # this frontend holds --max-inflight requests
+    DRAINING = ("draining", "503")  # this frontend is shutting down
+    SCHEDULER_FULL = ("scheduler_queue_full", "429")  # the scheduler's queue holds --max-waiting-requests
+    SCHEDULER_UNAVAILABLE = ("scheduler_unavailable", "503")  # not ready, draining or unreachable
 
 
 class RequestMetrics:
@@ -52,6 +63,11 @@ class RequestMetrics:
         self.decode = histogram(
             "request_decode_time_seconds", "First token to last token.", REQUEST_LATENCY_BUCKETS
         ).labels(m)
+        self.rejections = counter(
+            "request_rejections", "Requests refused at admission (429/503), by reason.", ("reason", "code")
+        )
+        for rejection in Rejection:  # NOTE: every series from 0, so rate() and alerts see the first one
+            self.rejections.labels(m, *rejection.value)
         token_buckets = buckets_1_2_5(max_model_len)
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt tokens per request.", token_buckets
@@ -59,6 +75,9 @@ class RequestMetrics:
         self.request_generation_tokens = histogram(
             "request_generation_tokens", "Generated tokens per request.", token_buckets
         ).labels(m)
+
+    def observe_rejection(self, rejection: Rejection) -> None:
+        self.rejections.labels(self.model_name, *rejection.value).inc()
 
     def observe_tokens(self, since_last_token_s: float) -> None:
         self.itl.observe(since_last_token_s)

@@ -29,7 +29,7 @@ from services.common.trace import TraceContext
 from services.convert.outputs import seq_output_from_proto
 from services.convert.params import params_to_proto
 from services.frontend.limits import ApiLimits
-from services.frontend.metrics import RequestMetrics
+from services.frontend.metrics import Rejection, RequestMetrics
 from services.frontend.request import (
     ErrorCode,
     FinalInfo,
@@ -90,8 +90,10 @@ class RequestPipeline:
     # ---- admission ----------------------------------------------------------------------------------------------
     def check_admission(self) -> None:
         if self.draining:
+            self._reject(Rejection.DRAINING)
             raise RequestError(ErrorCode.UNAVAILABLE, "the frontend is shutting down: retry on another replica")
         if len(self.active) >= self.policy.max_inflight:
+            self._reject(Rejection.MAX_INFLIGHT)
             raise RequestError(
                 ErrorCode.RESOURCE_EXHAUSTED, f"too many requests in flight ({len(self.active)}): retry later"
             )
@@ -250,6 +252,11 @@ class RequestPipeline:
         except grpc.aio.AioRpcError as e:
             err = rpc_error(e)
             error_type = err.code.value
+            if first:  # NOTE: before the scheduler's first message (its "admitted"): refused at admission
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._reject(Rejection.SCHEDULER_FULL)
+                elif e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._reject(Rejection.SCHEDULER_UNAVAILABLE)
             raise err from e
         except RequestError as e:
             error_type = e.code.value
@@ -267,6 +274,10 @@ class RequestPipeline:
             # cancellation reaches the scheduler as an abort.
             if call is not None:
                 call.cancel()
+
+    def _reject(self, rejection: Rejection) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_rejection(rejection)
 
     def _finish_choice(self, stop: StopMatch, req: PreparedRequest) -> None:
         async def send() -> None:

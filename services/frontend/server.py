@@ -25,6 +25,7 @@ from engine_core.io.tokenizer import load_tokenizer
 from services.common.grpc_opts import server_options
 from services.common.health import HEALTH_SERVICE, SERVING, ServiceHealth
 from services.common.logs import configure_logging
+from services.common.metrics import service_registry
 from services.common.signals import ignore_late_signals, shutdown_event
 from services.common.telemetry import Telemetry, setup_tracing
 from services.common.tls import add_port
@@ -120,7 +121,7 @@ async def serve(config: FrontendConfig, telemetry: Telemetry | None = None) -> i
     client = SchedulerClient(
         config.scheduler_addr, config.tls, telemetry.client_interceptors() if telemetry is not None else None
     )
-    registry = CollectorRegistry()
+    registry = service_registry()
     loading = asyncio.ensure_future(_load_pipeline(config, client, registry, telemetry))
     await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():

@@ -28,7 +28,7 @@ from services.common.telemetry import Telemetry
 from services.common.timeutil import monotonic_to_ns
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.executor import RemoteExecutor, StepDeadline, WorkerGroupInfo, WorkerMismatchError
-from services.scheduler.metrics import StepMetrics
+from services.scheduler.metrics import RecoveryMetrics, ResetReason, StepMetrics
 from services.scheduler.tracing import StepTracer
 
 log = structlog.get_logger(__name__)
@@ -120,6 +120,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal: BaseException | None = None
         self.failures = 0  # worker failures, hangs and failed steps recovered from
+        self.recovery = RecoveryMetrics(registry) if registry is not None else None
 
     # ---- called from any thread -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -187,6 +188,8 @@ class EngineLoop:
         core = EngineCore(engine_config, self.executor, info.max_model_len, num_blocks)
         if self.registry is not None and self.executor.step_metrics is None:
             self.executor.step_metrics = StepMetrics(self.registry, info.model)
+        if self.recovery is not None:
+            self.recovery.start(info.model)
         self.info, self.core = info, core
         self._publish_stats()
         log.info("engine ready", workers=len(self.config.worker_addrs), blocks=num_blocks, model=info.model)
@@ -211,14 +214,16 @@ class EngineLoop:
             outputs = core.step()
         except grpc.RpcError as e:
             self._flush(events)
-            self._recover(f"worker failure: {e.code().name}: {e.details()}", "UNAVAILABLE")
+            deadline = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            reason = ResetReason.STEP_DEADLINE if deadline else ResetReason.WORKER_ERROR
+            self._recover(f"worker failure: {e.code().name}: {e.details()}", "UNAVAILABLE", reason)
             return
         except Exception as e:
             # NOTE: an engine or conversion bug: the core's state is suspect, so the requests it holds fail (with
             # INTERNAL) and it is rebuilt; the scheduler itself keeps serving.
             log.exception("step failed")
             self._flush(events)
-            self._recover(f"scheduler step failed: {type(e).__name__}: {e}", "INTERNAL")
+            self._recover(f"scheduler step failed: {type(e).__name__}: {e}", "INTERNAL", ResetReason.STEP_ERROR)
             return
         if self.executor.last_worker_s:
             self._steps += 1
@@ -249,7 +254,7 @@ class EngineLoop:
         """Idle: is every worker alive, answering and still on our cache epoch? (A step's deadline covers busy.)"""
         problem = self.executor.heartbeat(self.config.heartbeat_timeout)
         if problem:
-            self._recover(f"worker failure: {problem}", "UNAVAILABLE")
+            self._recover(f"worker failure: {problem}", "UNAVAILABLE", ResetReason.HEARTBEAT)
 
     def _take_commands(self, block_s: float | None) -> list[_Command]:
         """Every queued command; when idle (`block_s`), waits up to that long for the first one."""
@@ -335,12 +340,14 @@ class EngineLoop:
         self._flush(events)
         return kept
 
-    def _recover(self, error: str, code: str) -> None:
+    def _recover(self, error: str, code: str, reason: ResetReason) -> None:
         """A worker failed, hung or a step raised: the requests that ran on the workers fail (UNAVAILABLE: retry);
         the workers are reset under a new epoch (same cache size) and a fresh EngineCore (empty prefix cache) takes
         over, with the requests that were still queued. Waits for the workers to come back (a restarted worker)."""
-        log.error("failing the affected requests and re-initializing the workers", error=error)
+        log.error("failing the affected requests and re-initializing the workers", error=error, reason=reason.value)
         self.failures += 1
+        if self.recovery is not None and self.info is not None:
+            self.recovery.reset(self.info.model, reason)
         self.on_ready(False)
         kept = self._fail_all(error, code, keep_unscheduled=True)
         self.core = None

@@ -21,7 +21,7 @@ from engine_core.core.request import Request
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
-from services.common.metrics import EngineStatsCollector, serve_metrics
+from services.common.metrics import EngineStatsCollector, serve_metrics, service_registry
 from services.common.signals import ignore_late_signals, shutdown_event
 from services.common.telemetry import Telemetry, setup_tracing
 from services.common.timeutil import now_ns
@@ -307,10 +307,10 @@ async def serve(config: SchedulerConfig, telemetry: Telemetry | None = None) -> 
     )
     health = ServiceHealth(server, [SCHEDULER_SERVICE])
     await health.set_serving(False)
-    registry = CollectorRegistry()
+    registry = service_registry()
     servicer = SchedulerServicer(config, health, telemetry, registry)
     registry.register(EngineStatsCollector(servicer.metrics_snapshot, servicer.model_name))
-    serve_metrics(config.host, config.metrics_port, registry)
+    serve_metrics(config.host, config.metrics_port, registry, config.tls)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = add_port(server, f"{config.host}:{config.port}", config.tls, require_client_cert=True)
     await server.start()

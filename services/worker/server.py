@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import structlog
-from prometheus_client import CollectorRegistry
 
 from engine_core.checkpoint.model_files import model_name, resolve_model_dir
 from engine_core.worker.host_allocator import retain_freed_memory
@@ -24,7 +23,7 @@ from engine_core.worker.model_runner import ModelRunner
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
-from services.common.metrics import serve_metrics
+from services.common.metrics import serve_metrics, service_registry
 from services.common.signals import ignore_late_signals, shutdown_event
 from services.common.telemetry import Telemetry, setup_tracing
 from services.common.tls import add_port
@@ -187,9 +186,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 async def serve(config: WorkerConfig, telemetry: Telemetry | None = None) -> None:
     # NOTE: no tracing interceptor: only steps the scheduler traced carry a context (see services/worker/tracing.py).
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    registry = CollectorRegistry()
+    registry = service_registry()
     metrics = WorkerMetrics(registry, model_name(config.engine.model))
-    serve_metrics(config.host, config.metrics_port, registry)
+    serve_metrics(config.host, config.metrics_port, registry, config.tls)
     servicer = WorkerServicer(config, metrics, telemetry)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = ServiceHealth(server, [WORKER_SERVICE])

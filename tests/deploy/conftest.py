@@ -16,8 +16,18 @@ CHART = ROOT / "helm" / "pagoda"
 HELM = ROOT / ".tools" / "helm"
 RELEASE = "pg"
 NAMESPACE = "llm"
-# Value profiles: each file under helm/pagoda/ci/ on top of values.yaml ("default": values.yaml alone).
-PROFILES = ["default", "gpu", "cpu", "multi-worker", "observability", "secured"]
+# Value profiles: each file under helm/pagoda/ci/ on top of values.yaml ("default": values.yaml alone); "a+b" layers
+# b's file over a's, as `-f a -f b` does.
+SINGLE_PROFILES = ["default", "gpu", "cpu", "multi-worker", "observability", "secured", "extras", "repository"]
+# The combinations docs/deploy.md promises: TLS with observability (ServiceMonitor over HTTPS, KEDA autoscaling,
+# tracing), on GPUs, with several ranks and the frontends' HPA, with the escape hatches and fetched weights.
+COMBINED_PROFILES = [
+    "secured+observability",
+    "gpu+secured+observability",
+    "gpu+multi-worker+secured",
+    "cpu+observability+extras+repository",
+]
+PROFILES = SINGLE_PROFILES + COMBINED_PROFILES
 
 
 def helm_path() -> Path:
@@ -31,7 +41,9 @@ def helm_path() -> Path:
 
 
 def profile_args(profile: str) -> list[str]:
-    return [] if profile == "default" else ["-f", str(CHART / "ci" / f"{profile}-values.yaml")]
+    if profile == "default":
+        return []
+    return [arg for part in profile.split("+") for arg in ("-f", str(CHART / "ci" / f"{part}-values.yaml"))]
 
 
 def helm(*args: str) -> subprocess.CompletedProcess[str]:

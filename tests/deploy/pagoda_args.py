@@ -25,6 +25,8 @@ PARSERS: dict[str, Callable[[list[str]], Any]] = {
 }
 # Read by the processes directly, not through a flag.
 DIRECT_ENV = {"PAGODA_CACHE"}
+# What the kubelet sets for the downward-API fields the chart's profiles use.
+FIELD_VALUES = {"metadata.name": "pod-0", "spec.nodeName": "node-0"}
 
 
 @cache
@@ -68,8 +70,7 @@ def container_env(rendered: Any, container: dict[str, Any]) -> dict[str, str]:
             ref = source["configMapKeyRef"]
             env[e["name"]] = rendered.get("ConfigMap", ref["name"])["data"][ref["key"]]
         elif "fieldRef" in source:
-            assert source["fieldRef"]["fieldPath"] == "metadata.name"
-            env[e["name"]] = "pod-0"
+            env[e["name"]] = FIELD_VALUES[source["fieldRef"]["fieldPath"]]
         else:
             raise AssertionError(f"unexpected env source {source}")
     return env

@@ -6,11 +6,13 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from services.common.health import LIVENESS_SERVICE
+from services.model_fetch import parse_args as parse_fetch_args
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
 from tests.deploy.conftest import CHART, NAMESPACE, PROFILES, Rendered, helm, helm_template, profile_args
-from tests.deploy.pagoda_args import arg_value, pagoda_containers, parse_container
+from tests.deploy.pagoda_args import arg_value, container_env, pagoda_containers, parse_container
 
 # The oldest Kubernetes the chart supports (gRPC probes are GA in 1.27) and the newest offline schema.
 KUBERNETES_VERSIONS = ["1.27.0", kubernetes_validate.latest_version()]
@@ -41,8 +43,9 @@ def test_objects_match_the_kubernetes_schemas(render: Any, profile: str) -> None
             kubernetes_validate.validate(obj, version, strict=True)
 
 
-def test_custom_resources(render: Any) -> None:
-    r: Rendered = render("observability")
+@pytest.mark.parametrize("profile", ["observability", "secured+observability"])
+def test_custom_resources(render: Any, profile: str) -> None:
+    r: Rendered = render(profile)
     kinds = {(o["apiVersion"], o["kind"]) for o in r.objects}
     assert kinds >= CUSTOM_KINDS
     (monitor,) = r.by_kind["ServiceMonitor"]
@@ -88,7 +91,7 @@ def test_probes_use_registered_health_names_on_container_ports(render: Any, prof
         # The startup budget covers a model load: minutes, not the readiness probe's seconds.
         startup = container["startupProbe"]
         assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
-        if profile == "secured":
+        if "secured" in profile.split("+"):
             assert "exec" in container["livenessProbe"]  # the kubelet's gRPC probe speaks plaintext only
         else:
             assert "grpc" in container["livenessProbe"]
@@ -108,23 +111,28 @@ def test_services_select_their_pods(render: Any, profile: str) -> None:
         assert w["spec"]["selector"]["matchLabels"].items() <= w["spec"]["template"]["metadata"]["labels"].items()
 
 
-@pytest.mark.parametrize("profile", ["default", "multi-worker"])
-def test_scheduler_gets_the_worker_dns_names_in_rank_order(render: Any, profile: str) -> None:
+@pytest.mark.parametrize(
+    ("profile", "domain"),
+    [("default", "cluster.local"), ("multi-worker", "cluster.local"), ("extras", "k8s.example.internal")],
+)
+def test_scheduler_gets_the_worker_dns_names_in_rank_order(render: Any, profile: str, domain: str) -> None:
     r: Rendered = render(profile)
     workers = r.component("worker")
     headless = r.get("Service", workers["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
     name, svc, replicas = workers["metadata"]["name"], headless["metadata"]["name"], workers["spec"]["replicas"]
     port = next(p["containerPort"] for p in pod_spec(workers)["containers"][0]["ports"] if p["name"] == "grpc")
-    expected = [f"{name}-{rank}.{svc}.{NAMESPACE}.svc.cluster.local:{port}" for rank in range(replicas)]
+    expected = [f"{name}-{rank}.{svc}.{NAMESPACE}.svc.{domain}:{port}" for rank in range(replicas)]
     containers = dict(pagoda_containers(r))
     assert parse_container(r, "scheduler", containers["scheduler"]).worker_addrs == expected
     assert replicas == (3 if profile == "multi-worker" else 1)
     # ...and the frontends the scheduler's Service.
     scheduler_svc = next(s for s in r.by_kind["Service"] if s["metadata"]["labels"][COMPONENT] == "scheduler")
     sched_port = next(p["port"] for p in scheduler_svc["spec"]["ports"] if p["name"] == "grpc")
-    addr = f"{scheduler_svc['metadata']['name']}.{NAMESPACE}.svc.cluster.local:{sched_port}"
+    addr = f"{scheduler_svc['metadata']['name']}.{NAMESPACE}.svc.{domain}:{sched_port}"
     assert parse_container(r, "frontend", containers["frontend"]).scheduler_addr == addr
+    if domain != "cluster.local":
+        assert "cluster.local" not in r.text  # nothing else assumes the default domain
 
 
 @pytest.mark.parametrize("profile", PROFILES)
@@ -245,6 +253,110 @@ def test_secured_profile_mounts_secrets(render: Any) -> None:
             assert arg_value(container, "--prefix-cache-isolation") == "api-key"
 
 
+@pytest.mark.parametrize("profile", ["observability", "secured+observability", "gpu+secured+observability"])
+def test_service_monitor_scrapes_with_the_scheme_the_services_serve(render: Any, profile: str) -> None:
+    """With TLS every /metrics endpoint is HTTPS (the frontend's HTTP port, the scheduler's and workers' metrics
+    ports, all with the pod's certificate): the ServiceMonitor verifies them with the release's CA."""
+    r: Rendered = render(profile)
+    secured = "secured" in profile.split("+")
+    (monitor,) = r.by_kind["ServiceMonitor"]
+    endpoints = {e["port"]: e for e in monitor["spec"]["endpoints"]}
+    service_names = {s["metadata"]["name"] for s in r.by_kind["Service"]}
+    for port, components in (("http", ["frontend"]), ("metrics", ["scheduler", "worker"])):
+        endpoint = endpoints[port]
+        assert endpoint["scheme"] == ("https" if secured else "http"), port
+        if not secured:
+            assert "tlsConfig" not in endpoint
+            continue
+        tls = endpoint["tlsConfig"]
+        assert tls["ca"]["secret"] == {"name": "pagoda-tls", "key": "ca.crt"}
+        assert tls["serverName"] in service_names  # the certificate names every Service
+        for component in components:
+            container = pod_spec(r.component(component))["containers"][0]
+            # The service serves that port with its certificate: the TLS flags are on its command line.
+            assert arg_value(container, "--tls-cert-file") and arg_value(container, "--tls-key-file"), component
+            config = parse_container(r, component, container)
+            assert config.tls.cert_file and config.tls.key_file
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            if port == "metrics":
+                assert config.metrics_port == ports["metrics"], component
+            else:
+                assert config.http_port == ports["http"]
+
+
+def test_escape_hatches_reach_every_component(render: Any) -> None:
+    r: Rendered = render("extras")
+    values = yaml.safe_load((CHART / "ci" / "extras-values.yaml").read_text())
+    security = yaml.safe_load((CHART / "values.yaml").read_text())["containerSecurityContext"]
+    for component in ("frontend", "scheduler", "worker"):
+        want = values[component]
+        spec = pod_spec(r.component(component))
+        (container,) = spec["containers"]
+        for env in want["extraEnv"]:
+            assert env in container["env"], (component, env)
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for volume in want["extraVolumes"]:
+            assert volumes[volume["name"]] == volume, component
+        for mount in want["extraVolumeMounts"]:
+            assert mount in container["volumeMounts"], component
+        annotations = r.component(component)["spec"]["template"]["metadata"]["annotations"]
+        assert want["podAnnotations"].items() <= annotations.items() and "checksum/engine" in annotations
+        assert spec["priorityClassName"] == want["priorityClassName"]
+        inits = spec.get("initContainers", [])
+        assert [c["name"] for c in inits] == [c["name"] for c in want.get("initContainers", [])], component
+        for init in inits:
+            assert init["securityContext"] == security  # the chart's, as the profile set none
+    # Unset, they render nothing.
+    for component in ("frontend", "scheduler", "worker"):
+        spec = pod_spec(render("default").component(component))
+        assert "priorityClassName" not in spec and "initContainers" not in spec
+        assert {v["name"] for v in spec["volumes"]} <= {"tmp", "dshm", "cache", "model"}
+
+
+@pytest.mark.parametrize("profile", ["repository", "cpu+observability+extras+repository"])
+def test_repository_weights_are_fetched_by_an_init_container(render: Any, profile: str) -> None:
+    r: Rendered = render(profile)
+    repository = yaml.safe_load((CHART / "ci" / "repository-values.yaml").read_text())["model"]["repository"]
+    for component in ("frontend", "worker"):
+        spec = pod_spec(r.component(component))
+        (container,) = spec["containers"]
+        fetch = spec["initContainers"][0]  # before the operator's own init containers
+        assert fetch["name"] == "model-fetch" and fetch["command"] == ["python", "-m", "services.model_fetch"]
+        config = parse_fetch_args(fetch["args"])  # the real parser accepts the rendered arguments
+        assert (config.repo_url, config.revision) == (repository["url"], repository["revision"])
+        assert config.include == tuple(repository["include"])
+        # It fills the directory the service loads, on the volume the service mounts read-only.
+        assert str(config.dest) == container_env(r, container)["PAGODA_MODEL"]
+        (fetch_mount,) = [m for m in fetch["volumeMounts"] if m["name"] == "model"]
+        (model_mount,) = [m for m in container["volumeMounts"] if m["name"] == "model"]
+        assert not fetch_mount.get("readOnly") and model_mount["readOnly"] is True
+        assert fetch_mount["mountPath"] == model_mount["mountPath"] and str(config.dest).startswith(
+            fetch_mount["mountPath"] + "/"
+        )
+        # The token as a file from the Secret (never an environment variable), mounted in the init container only.
+        assert "env" not in fetch and arg_value(fetch, "--token-file") == "/etc/pagoda/hf-token/HF_TOKEN"
+        assert any(m["name"] == "hf-token" for m in fetch["volumeMounts"])
+        assert not any(m["name"] == "hf-token" for m in container["volumeMounts"])
+        secret = next(v for v in spec["volumes"] if v["name"] == "hf-token")["secret"]
+        assert secret["secretName"] == "hf-token" and secret["items"] == [{"key": "HF_TOKEN", "path": "HF_TOKEN"}]
+        volume = next(v for v in spec["volumes"] if v["name"] == "model")
+        assert volume["emptyDir"]["sizeLimit"] == repository["sizeLimit"]
+    scheduler = pod_spec(r.component("scheduler"))
+    assert all(c["name"] != "model-fetch" for c in scheduler.get("initContainers", []))
+    assert all(v["name"] != "hf-token" for v in scheduler["volumes"])
+    assert "PersistentVolumeClaim" not in r.by_kind
+
+
+def test_repository_weights_into_an_existing_claim() -> None:
+    out = helm_template(*profile_args("repository"), "--set", "model.pvc.existingClaim=weights")
+    assert out.returncode == 0, out.stderr
+    objects = [o for o in yaml.safe_load_all(out.stdout) if o]
+    assert not [o for o in objects if o["kind"] == "PersistentVolumeClaim"]  # the operator's claim, written to
+    worker = next(o for o in objects if o["kind"] == "StatefulSet")
+    volume = next(v for v in pod_spec(worker)["volumes"] if v["name"] == "model")
+    assert volume["persistentVolumeClaim"] == {"claimName": "weights"}
+
+
 def test_notes_tell_how_to_call_generate(render: Any) -> None:
     notes = render("default").notes
     assert "kubectl -n llm port-forward svc/pg-pagoda-frontend 50051:50051" in notes
@@ -263,6 +375,13 @@ def test_notes_tell_how_to_call_generate(render: Any) -> None:
         "engine.device=cuda",  # a CUDA engine on workers without a GPU
         "security.prefixCacheIsolation=tenant",
         "scheduler.drainTimeout=-1",
+        "clusterDomain=Cluster_Local",
+        "model.source=repository",  # without model.repository.url
+        "model.repository.url=ftp://example.com/a/b",
+        "worker.extraEnv[0].value=x",  # an env var without a name
+        "frontend.initContainers[0].name=no-image",
+        "scheduler.priorityClassName=1",
+        "worker.podAnnotations.a=1",
     ],
 )
 def test_schema_rejects_bad_values(bad: str) -> None:

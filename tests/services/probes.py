@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import socket
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from services.client import GenerationClient
-from services.launcher import LaunchConfig, LocalCluster
+from services.launcher import LaunchConfig, LocalCluster, free_port
 from services.rpc import generation_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -80,3 +83,26 @@ def assert_invalid_argument(client: GenerationClient, request: generation_pb2.Ge
         list(client.stream(request))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert field in info.value.details(), info.value.details()
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too (a LocalCluster's metrics_port: the scheduler's and worker 0's /metrics)."""
+    while True:
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+
+
+def scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """{sample name: {sorted labels: value}} of one /metrics page."""
+    with urllib.request.urlopen(url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return out

@@ -17,7 +17,7 @@ from services.client import GenerationClient, text_request
 from services.common.health import SERVING, check
 from services.launcher import LocalCluster
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, generation_pb2
-from tests.services.probes import all_blocks_free, print_logs, start_cluster, wait_until
+from tests.services.probes import all_blocks_free, free_port_pair, print_logs, scrape, start_cluster, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -34,6 +34,7 @@ def fcluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         log_dir,
         kv_cache_memory=0.25,
         max_num_seqs=MAX_NUM_SEQS,
+        metrics_port=free_port_pair(),
         # NOTE: short deadlines so a hang is detected within seconds here (the defaults suit real steps).
         extra_scheduler_args=["--step-timeout", "4", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"],
     )
@@ -82,6 +83,14 @@ class Reader:
     def join(self, timeout: float) -> None:
         self.thread.join(timeout)
         assert not self.thread.is_alive(), "the stream did not end"
+
+
+def _scheduler_metrics(cluster: LocalCluster) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    return scrape(f"http://127.0.0.1:{cluster.metrics_port('scheduler')}/metrics")
+
+
+def _by_reason(page: dict[str, dict[tuple[tuple[str, str], ...], float]]) -> dict[str, float]:
+    return {dict(k)["reason"]: v for k, v in page["pagoda:worker_resets_total"].items()}
 
 
 def _serving_again(cluster: LocalCluster, client: GenerationClient, greedy: list[int]) -> None:
@@ -177,6 +186,10 @@ def test_sigstop_worker_mid_stream_is_a_hang_detected_by_the_deadline(
     finally:
         worker.send_signal(signal.SIGCONT)
     _serving_again(fcluster, fclient, greedy_tokens)
+    # The operator sees it on the scheduler's /metrics: a missed deadline and the reset it caused.
+    page = _scheduler_metrics(fcluster)
+    assert _by_reason(page)["step_deadline"] >= 1
+    assert sum(page["pagoda:step_deadline_misses_total"].values()) == _by_reason(page)["step_deadline"]
     wait_until(lambda: all_blocks_free(fcluster.scheduler_addr), 30, "every block free after the hang")
 
 
@@ -194,6 +207,7 @@ def test_sigstop_idle_worker_is_noticed_by_the_heartbeat(
     finally:
         worker.send_signal(signal.SIGCONT)
     _serving_again(fcluster, fclient, greedy_tokens)
+    assert _by_reason(_scheduler_metrics(fcluster))["heartbeat"] >= 1
 
 
 def test_sigkill_worker_mid_stream_then_restart(

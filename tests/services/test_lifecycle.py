@@ -14,6 +14,7 @@ from services.client import GenerationClient, text_request
 from services.common.health import NOT_SERVING, check, wait_serving
 from services.launcher import LocalCluster, free_port
 from services.rpc import GENERATION_SERVICE, common_pb2, generation_pb2
+from tests.services.probes import scrape
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.slow
 def test_sigterm_drains_the_stream_in_flight(cluster: LocalCluster) -> None:
     port = free_port()
     addr = f"127.0.0.1:{port}"
-    args = ["--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", "-1"]
+    http_port = free_port()
+    args = ["--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", str(http_port)]
     args += ["--scheduler-addr", cluster.scheduler_addr, "--max-inflight", "1"]
     proc = subprocess.Popen([sys.executable, "-m", "services.frontend", *args], stderr=subprocess.PIPE)
     try:
@@ -42,6 +44,16 @@ def test_sigterm_drains_the_stream_in_flight(cluster: LocalCluster) -> None:
             with pytest.raises(grpc.RpcError) as info:
                 list(client.stream(text_request("Hi", max_tokens=2)))
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            # ...counted by reason on the frontend's /metrics, next to its process metrics.
+            page = scrape(f"http://127.0.0.1:{http_port}/metrics")
+            rejections = {dict(k)["reason"]: v for k, v in page["pagoda:request_rejections_total"].items()}
+            assert rejections == {
+                "max_inflight": 1,
+                "draining": 0,
+                "scheduler_queue_full": 0,
+                "scheduler_unavailable": 0,
+            }
+            assert page["process_resident_memory_bytes"][()] > 0
             proc.send_signal(signal.SIGTERM)
             reader.join(60)
             assert not reader.is_alive()

@@ -1,13 +1,23 @@
-"""The Prometheus metric set, read back with prometheus_client's parser (no services: fast)."""
+"""The Prometheus metric set, read back with prometheus_client's parser (no services: fast; one /metrics server)."""
 
 from __future__ import annotations
 
+import http.client
+import ssl
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.common.metrics import EngineStatsCollector, buckets_1_2_5
-from services.frontend.metrics import RequestMetrics
+from services.common.metrics import EngineStatsCollector, buckets_1_2_5, serve_metrics, service_registry
+from services.frontend.metrics import Rejection, RequestMetrics
+from services.launcher import free_port
 from services.rpc import common_pb2, scheduler_pb2
+from services.scheduler.metrics import RecoveryMetrics, ResetReason
+from tests.services.certs import make_test_pki
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -66,3 +76,61 @@ def test_engine_stats_collector_exports_the_snapshot_or_nothing() -> None:
     assert s[("pagoda:prefix_cache_hits_total", model)] == 16
     assert s[("pagoda:num_preemptions_total", model)] == 4
     assert s[("pagoda:prefix_cache_evictions_total", model)] == 5
+
+
+def test_every_service_registry_has_the_process_collectors() -> None:
+    s = samples(service_registry())
+    assert s[("process_resident_memory_bytes", ())] > 0
+    assert s[("process_cpu_seconds_total", ())] > 0
+    assert s[("process_open_fds", ())] >= 3
+    assert any(name == "python_info" for name, _ in s)
+
+
+def test_metrics_endpoint_serves_https_with_the_services_certificate(tmp_path: Path) -> None:
+    """With TLS the scheduler's and workers' /metrics are HTTPS (what the chart's ServiceMonitor scrapes)."""
+    tls = make_test_pki(tmp_path)
+    registry = service_registry()
+    RecoveryMetrics(registry).start(MODEL)
+    port = free_port()
+    serve_metrics("127.0.0.1", port, registry, tls)
+    context = ssl.create_default_context(cafile=tls.ca_file)
+    with urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", timeout=10, context=context) as resp:
+        text = resp.read().decode()
+    names = {f.name for f in text_string_to_metric_families(text)}
+    assert {"pagoda:worker_resets", "process_resident_memory_bytes"} <= names
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()  # plain HTTP is refused
+
+
+def test_admission_rejections_by_reason_start_at_zero() -> None:
+    registry = CollectorRegistry()
+    m = RequestMetrics(registry, MODEL, max_model_len=2048)
+    m.observe_rejection(Rejection.MAX_INFLIGHT)
+    m.observe_rejection(Rejection.MAX_INFLIGHT)
+    m.observe_rejection(Rejection.SCHEDULER_UNAVAILABLE)
+    s = samples(registry)
+    got = {k[1]: v for k, v in s.items() if k[0] == "pagoda:request_rejections_total"}
+    want = {
+        (("code", "429"), ("model_name", MODEL), ("reason", "max_inflight")): 2,
+        (("code", "503"), ("model_name", MODEL), ("reason", "draining")): 0,
+        (("code", "429"), ("model_name", MODEL), ("reason", "scheduler_queue_full")): 0,
+        (("code", "503"), ("model_name", MODEL), ("reason", "scheduler_unavailable")): 1,
+    }
+    assert got == want
+
+
+def test_worker_resets_by_reason_and_missed_deadlines() -> None:
+    registry = CollectorRegistry()
+    m = RecoveryMetrics(registry)
+    m.start(MODEL)
+    s = samples(registry)
+    assert {k[1] for k in s if k[0] == "pagoda:worker_resets_total"} == {
+        (("model_name", MODEL), ("reason", r.value)) for r in ResetReason
+    }
+    assert s[("pagoda:step_deadline_misses_total", (("model_name", MODEL),))] == 0
+    m.reset(MODEL, ResetReason.STEP_DEADLINE)
+    m.reset(MODEL, ResetReason.HEARTBEAT)
+    s = samples(registry)
+    resets = {dict(k[1])["reason"]: v for k, v in s.items() if k[0] == "pagoda:worker_resets_total"}
+    assert resets == {"step_deadline": 1, "worker_error": 0, "heartbeat": 1, "step_error": 0}
+    assert s[("pagoda:step_deadline_misses_total", (("model_name", MODEL),))] == 1

@@ -4,20 +4,18 @@ at an OTLP/gRPC receiver inside this test (plus `--collect-detailed-traces`). A 
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.client import GenerationClient, text_request
 from services.common.health import check
-from services.launcher import LaunchConfig, LocalCluster, free_port
+from services.launcher import LaunchConfig, LocalCluster
 from tests.services.otlp_receiver import OtlpReceiver, ReceivedSpan
-from tests.services.probes import start_healthy
+from tests.services.probes import free_port_pair, scrape, start_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -25,18 +23,6 @@ NUM_KV_BLOCKS = 12  # x 16 tokens: two requests of ~150 tokens each cannot both 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
 SERVICES = {"frontend": "pagoda-frontend", "scheduler": "pagoda-scheduler", "worker": "pagoda-worker"}
-
-
-def _metrics_port_pair() -> int:
-    """A port p with p + 1 free too (the scheduler's and worker 0's /metrics)."""
-    while True:
-        port = free_port()
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +42,7 @@ def traced(
         num_threads=1,
         max_num_seqs=8,
         log_dir=str(log_dir),
-        metrics_port=_metrics_port_pair(),
+        metrics_port=free_port_pair(),
         collect_detailed_traces=True,
         extra_scheduler_args=["--num-kv-blocks", str(NUM_KV_BLOCKS)],
         # NOTE: a short export delay so the test does not wait 5 s for each batch of spans.
@@ -66,17 +52,6 @@ def traced(
     yield c
     codes = c.stop(timeout=60)
     assert codes == {"frontend": 0, "scheduler": 0, "worker0": 0}, codes
-
-
-def _scrape(url: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
-    """{sample name: {sorted labels: value}} of one /metrics page."""
-    with urllib.request.urlopen(url, timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
-    return out
 
 
 def _total(page: dict[str, dict[tuple[tuple[str, str], ...], float]], name: str, **labels: str) -> float:
@@ -198,7 +173,7 @@ def test_health_checks_scrapes_and_stats_are_not_traced(traced: LocalCluster, re
     for _ in range(3):
         for s in traced.services:
             check(s.addr, s.health_service)
-        _scrape(f"{traced.http_url}/metrics")  # the frontend calls the scheduler's Stats for it
+        scrape(f"{traced.http_url}/metrics")  # the frontend calls the scheduler's Stats for it
         urllib.request.urlopen(f"{traced.http_url}/health", timeout=10).read()
     _generate_traced(traced, "c" * 32, max_tokens=2)  # a marker: its spans are exported after the probes'
     spans = receiver.wait_for(lambda s: any(x.trace_id == "c" * 32 and x.name == "decode" for x in s))
@@ -211,11 +186,11 @@ def test_metrics_move_with_requests(traced: LocalCluster) -> None:
     frontend = f"{traced.http_url}/metrics"
     scheduler = f"http://127.0.0.1:{traced.metrics_port('scheduler')}/metrics"
     worker = f"http://127.0.0.1:{traced.metrics_port('worker0')}/metrics"
-    before = {u: _scrape(u) for u in (frontend, scheduler, worker)}
+    before = {u: scrape(u) for u in (frontend, scheduler, worker)}
     with GenerationClient(traced.frontend_addr) as client:
         for _ in range(2):
             result = client.generate(text_request("One two three", max_tokens=5))
-    after = {u: _scrape(u) for u in (frontend, scheduler, worker)}
+    after = {u: scrape(u) for u in (frontend, scheduler, worker)}
     assert result.final is not None
     prompt = result.final.usage.prompt_tokens
 

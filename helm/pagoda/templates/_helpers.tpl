@@ -36,7 +36,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 
 {{/* Addresses inside the cluster. */}}
 {{- define "pagoda.schedulerAddr" -}}
-{{ include "pagoda.name" (dict "root" . "component" "scheduler") }}.{{ .Release.Namespace }}.svc.cluster.local:{{ .Values.scheduler.port }}
+{{ include "pagoda.name" (dict "root" . "component" "scheduler") }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.scheduler.port }}
 {{- end -}}
 
 {{/* The workers in rank order: the StatefulSet's pod DNS names under its headless Service. */}}
@@ -44,7 +44,7 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- $name := include "pagoda.name" (dict "root" . "component" "worker") -}}
 {{- $addrs := list -}}
 {{- range $rank := until (int .Values.worker.replicas) -}}
-{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc.cluster.local:%d" $name $rank $name $.Release.Namespace (int $.Values.worker.port)) -}}
+{{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc.%s:%d" $name $rank $name $.Release.Namespace $.Values.clusterDomain (int $.Values.worker.port)) -}}
 {{- end -}}
 {{- join "," $addrs -}}
 {{- end -}}
@@ -187,6 +187,24 @@ livenessProbe:
   hostPath:
     path: {{ .root.Values.model.hostPath }}
     type: Directory
+{{- else if eq .root.Values.model.source "repository" }}
+- name: model
+  {{- if .root.Values.model.pvc.existingClaim }}
+  persistentVolumeClaim:
+    claimName: {{ .root.Values.model.pvc.existingClaim }}
+  {{- else }}
+  emptyDir:
+    sizeLimit: {{ .root.Values.model.repository.sizeLimit }}
+  {{- end }}
+{{- if and .fetch .root.Values.model.repository.tokenSecret.name }}
+- name: hf-token
+  secret:
+    secretName: {{ .root.Values.model.repository.tokenSecret.name }}
+    defaultMode: 0440
+    items:
+      - key: {{ .root.Values.model.repository.tokenSecret.key }}
+        path: {{ .root.Values.model.repository.tokenSecret.key }}
+{{- end }}
 {{- end }}
 {{- if .root.Values.security.tls.existingSecret }}
 - name: tls
@@ -236,5 +254,90 @@ securityContext:
 {{- with .Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* A component's init containers (`<component>.initContainers`): as given, with the chart's
+containerSecurityContext when one sets none. */}}
+{{- define "pagoda.initContainers" -}}
+{{- $out := list -}}
+{{- range .values.initContainers -}}
+{{- $ic := deepCopy . -}}
+{{- if not (hasKey $ic "securityContext") -}}
+{{- $_ := set $ic "securityContext" $.root.Values.containerSecurityContext -}}
+{{- end -}}
+{{- $out = append $out $ic -}}
+{{- end -}}
+{{- with $out }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{/* The init container that fills the model volume from `model.repository` (services/model_fetch.py); it alone
+mounts the volume writable. */}}
+{{- define "pagoda.modelFetch" -}}
+{{- $m := .Values.model -}}
+- name: model-fetch
+  image: {{ include "pagoda.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: [python, -m, services.model_fetch]
+  args:
+    - {{ printf "--repo-url=%s" $m.repository.url | quote }}
+    - {{ printf "--revision=%s" $m.repository.revision | quote }}
+    - {{ printf "--dest=%s" (include "pagoda.modelPath" .) | quote }}
+    {{- range $m.repository.include }}
+    - {{ printf "--include=%s" . | quote }}
+    {{- end }}
+    {{- if $m.repository.tokenSecret.name }}
+    - {{ printf "--token-file=/etc/pagoda/hf-token/%s" $m.repository.tokenSecret.key | quote }}
+    {{- end }}
+  resources:
+    {{- toYaml $m.repository.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: dshm
+      mountPath: /dev/shm
+    - name: model
+      mountPath: {{ $m.mountPath }}
+    {{- if $m.repository.tokenSecret.name }}
+    - name: hf-token
+      mountPath: /etc/pagoda/hf-token
+      readOnly: true
+    {{- end }}
+{{- end -}}
+
+{{/* A component's pod-level fields: PriorityClass, and init containers (the model fetch first, where `fetch` and
+`model.source: repository`, then the component's own). */}}
+{{- define "pagoda.podExtras" -}}
+{{- with .values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
+{{- $fetch := and .fetch (eq .root.Values.model.source "repository") }}
+{{- $own := include "pagoda.initContainers" . | trim }}
+{{- if or $fetch $own }}
+initContainers:
+{{- if $fetch }}
+  {{- include "pagoda.modelFetch" .root | nindent 2 }}
+{{- end }}
+{{- with $own }}
+  {{- . | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* How Prometheus reaches a /metrics endpoint: HTTPS verified with the release's CA when TLS is on (every service
+then serves its metrics with its certificate), else plain HTTP. `serverName`: a Service the certificate names. */}}
+{{- define "pagoda.scrapeScheme" -}}
+{{- if .root.Values.security.tls.existingSecret }}
+scheme: https
+tlsConfig:
+  ca:
+    secret:
+      name: {{ .root.Values.security.tls.existingSecret }}
+      key: ca.crt
+  serverName: {{ .serverName }}
+{{- else }}
+scheme: http
 {{- end }}
 {{- end -}}
