@@ -37,6 +37,7 @@ class FrontendConfig:
     prefix_cache_isolation: str  # "api-key": each tenant's prompts only hit its own prefix-cache entries
     tokenizer_threads: int
     http_connections: HttpConnectionLimits
+    chat_content_special_tokens: bool  # on: special-token text in chat messages is read as control tokens
 
 
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
@@ -64,6 +65,13 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         help="open HTTP connections from one source address (0: no cap; raise it behind a proxy)",
     )
     add_flag(p, "--http-max-connections", default=8192, type=int, help="open HTTP connections in all (0: no cap)")
+    add_flag(
+        p,
+        "--chat-content-special-tokens",
+        default=False,
+        type=bool,
+        help="read special-token text in chat messages as control tokens (trusted callers only; off: plain text)",
+    )
     TlsFiles.add_flags(p)
     ApiLimits.add_flags(p)
     add_tracing_flags(p)
@@ -99,6 +107,7 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         enable_client_priority=a.enable_client_priority,
         prefix_cache_isolation=a.prefix_cache_isolation,
         tokenizer_threads=max(1, a.tokenizer_threads),
+        chat_content_special_tokens=a.chat_content_special_tokens,
         http_connections=HttpConnectionLimits(
             header_timeout=a.http_header_timeout,
             body_timeout=a.http_body_timeout,

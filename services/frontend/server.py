@@ -65,7 +65,9 @@ async def _load_pipeline(
     eos = model_tokenizer.eos_token_id
     if eos is None:
         eos = next(iter(read_generation_eos(model_dir)), None)
-    tokenizer = PromptTokenizer(model_tokenizer, info.vocab_size, info.max_model_len)
+    tokenizer = PromptTokenizer(
+        model_tokenizer, info.vocab_size, info.max_model_len, config.chat_content_special_tokens
+    )
     model = ModelDescription(
         name=info.model,
         architecture=info.architecture,
