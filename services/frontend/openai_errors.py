@@ -7,6 +7,7 @@ JSON, not an object, missing) have no param.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,6 +33,8 @@ _MODELS: tuple[type[BaseModel], ...] = (
     StreamOptions,
 )
 _FIELD_NAMES = frozenset(name for model in _MODELS for name in model.model_fields)
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
 
 
 def _path(error: dict[str, Any]) -> str | None:
@@ -42,10 +45,15 @@ def _path(error: dict[str, Any]) -> str | None:
     for i, item in enumerate(loc):
         if isinstance(item, int):
             parts.append(str(item))
-        elif item in _FIELD_NAMES or (error.get("type") == "extra_forbidden" and i == len(loc) - 1):
+        elif item in _FIELD_NAMES:
             parts.append(item)
-        elif parts and parts[-1] == "logit_bias":
-            parts.append(item)  # a key of the map
+        elif error.get("type") == "extra_forbidden" and i == len(loc) - 1:
+            if _NAME.fullmatch(item):  # NOTE: the client's own word: echoed only when it looks like a field name
+                parts.append(item)
+            else:
+                return None
+        elif parts and parts[-1] == "logit_bias" and _TOKEN_ID.fullmatch(item):
+            parts.append(item)  # a key of the map, when it is a token id
         # else: a pydantic union tag such as "str" or "list[ChatContentPart]": not part of the field's path
     if error.get("type") == "json_invalid":
         return None  # loc is a character position
@@ -70,7 +78,10 @@ def validation_error(exc: RequestValidationError) -> RequestError:
         return RequestError(ErrorCode.INVALID_ARGUMENT, f"the request body is not valid JSON: {reason}{where}", None)
     param = _path(first)
     if param is None:
-        message = f"the request body must be a JSON object with the request's fields: {_reason(first)}"
+        if first.get("type") == "extra_forbidden":
+            message = f"the request has an unknown field {str(first['loc'][-1])[:64]!r}"
+        else:
+            message = f"the request body must be a JSON object with the request's fields: {_reason(first)}"
         return RequestError(ErrorCode.INVALID_ARGUMENT, message, None)
     top = param.split(".", 1)[0]
     paths = [(p, e) for e in errors if (p := _path(e)) is not None and p.split(".", 1)[0] == top]

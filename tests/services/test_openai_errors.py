@@ -44,6 +44,8 @@ BAD_BODIES: list[tuple[str, str, bytes, str | None]] = [
     ("logit_bias key in Arabic-Indic digits", CMPL, '{"prompt": "hi", "logit_bias": {"٥": 1}}'.encode(), "logit_bias"),
     ("logit_bias key with a sign", CMPL, b'{"prompt": "hi", "logit_bias": {"+5": 1}}', "logit_bias"),
     ("logit_bias value a string", CMPL, b'{"prompt": "hi", "logit_bias": {"5": "x"}}', "logit_bias.5"),
+    ("logit_bias value a string, odd key", CMPL, b'{"prompt": "hi", "logit_bias": {"a.b": "x"}}', "logit_bias"),
+    ("unknown field with an odd name", CMPL, b'{"prompt": "hi", "a b.c": 1}', None),
     ("content a number", CHAT, b'{"messages": [{"role": "user", "content": 5}]}', "messages.0.content"),
     ("surrogate in content", CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages.0.content"),
     (
