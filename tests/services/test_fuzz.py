@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
@@ -55,6 +55,7 @@ EXTREME_FLOATS = [
     1e300,  # inf in float32
     1.7976931348623157e308,  # float64's largest
 ]
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 extreme_floats = st.sampled_from([sign * x for x in EXTREME_FLOATS for sign in (1.0, -1.0)])
 doubles = st.one_of(
     st.floats(),
@@ -145,12 +146,38 @@ def test_grpc_fuzz_never_a_server_error(
         call.cancel()
 
 
+@st.composite
+def extreme_sampling(draw: st.DrawFn) -> common_pb2.SamplingOptions:
+    """An otherwise valid request whose float fields are extreme or ordinary: every one either passes validation and
+    generates, or is refused by name; none may fail a step."""
+    opts = common_pb2.SamplingOptions(max_tokens=2, seed=draw(st.integers(0, 2**31)))
+    for name in FLOAT_FIELDS:
+        if draw(st.booleans()):
+            setattr(opts, name, draw(st.one_of(extreme_floats, st.floats(0.0, 2.0))))
+    return opts
+
+
+# NOTE: strict: it finds `top_p=5e-324` failing the step (issue 35 item 1); the mark goes when that fix lands.
+@pytest.mark.xfail(strict=True, reason="issue 35 item 1: float32 underflow fails a worker step")
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(sampling=extreme_sampling())
+@example(sampling=common_pb2.SamplingOptions(max_tokens=3, top_p=1e-300))  # the issue's two reports, every run
+@example(sampling=common_pb2.SamplingOptions(max_tokens=3, top_p=0.9, temperature=1.0, repetition_penalty=1e-40))
+def test_grpc_extreme_floats_generate_or_are_refused(
+    client: GenerationClient, greedy_before: list[int], sampling: common_pb2.SamplingOptions
+) -> None:
+    FUZZ_COUNTS["grpc"] += 1
+    request_ = generation_pb2.GenerateRequest(text="The capital of France is", sampling=sampling)
+    try:
+        for _ in client.stub.Generate(request_, timeout=60):
+            pass  # NOTE: read to the end: a failing step shows only after the first tokens
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details(), sampling)
+
+
 @pytest.fixture(scope="module")
 def openapi(cluster: LocalCluster) -> Any:
     return schemathesis.openapi.from_url(f"{cluster.http_url}/openapi.json")
-
-
-FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 def _extreme(case: Any, data: st.DataObject) -> None:
