@@ -6,6 +6,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from services.common.health import LIVENESS_SERVICE
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
@@ -263,6 +264,8 @@ def test_notes_tell_how_to_call_generate(render: Any) -> None:
         "engine.device=cuda",  # a CUDA engine on workers without a GPU
         "security.prefixCacheIsolation=tenant",
         "scheduler.drainTimeout=-1",
+        "frontend.http.maxConnectionsPerClient=-1",
+        "frontend.http.headerTimeout=0",
     ],
 )
 def test_schema_rejects_bad_values(bad: str) -> None:
@@ -274,3 +277,18 @@ def test_schema_rejects_bad_values(bad: str) -> None:
 def test_two_autoscalers_on_the_frontends_are_refused() -> None:
     out = helm_template("--set", "keda.enabled=true", "--set", "frontend.autoscaling.enabled=true")
     assert out.returncode != 0 and "enable one" in out.stderr, out.stderr
+
+
+def test_frontend_http_limits_reach_the_frontend_only_when_set(render: Any) -> None:
+    default = parse_container(render("default"), "frontend", dict(pagoda_containers(render("default")))["frontend"])
+    values = [
+        "frontend.http.headerTimeout=5",
+        "frontend.http.maxConnectionsPerClient=0",
+        "frontend.http.maxConnections=100",
+    ]
+    out = helm_template(*(arg for v in values for arg in ("--set", v)))
+    assert out.returncode == 0, out.stderr
+    r = Rendered("http", [o for o in yaml.safe_load_all(out.stdout) if o])
+    frontend = parse_container(r, "frontend", dict(pagoda_containers(r))["frontend"]).http_connections
+    assert (frontend.header_timeout, frontend.max_connections_per_client, frontend.max_connections) == (5.0, 0, 100)
+    assert frontend.body_timeout == default.http_connections.body_timeout  # unset: the frontend's own default
