@@ -65,7 +65,8 @@ class GuardedConfig(uvicorn.Config):
 
 
 def _raw_response(status: int, reason: str, message: str, retry_after: bool) -> bytes:
-    error = {"message": message, "type": "invalid_request_error" if status < 500 else "unavailable"}
+    kind = {429: "resource_exhausted", 503: "unavailable"}.get(status, "invalid_request_error")  # as the API's own
+    error = {"message": message, "type": kind}
     body = json.dumps({"error": {**error, "param": None, "code": status}}).encode()
     head = [
         f"HTTP/1.1 {status} {reason}",

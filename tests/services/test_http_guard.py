@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine_core.io.tokenizer import Tokenizer
-from services.frontend.http_guard import HttpConnectionLimits
+from services.frontend.http_guard import ConnectionCounts, HttpConnectionLimits
 from tests.services.http_frontend import get, http_frontend
 
 TIMEOUT = 1.0
@@ -140,3 +140,19 @@ def test_transfer_encoding_with_content_length_is_refused(timeouts_port: int) ->
         answer = _read_until_closed(conn)
     assert answer.startswith(b"HTTP/1.1 400"), answer
     assert b"Transfer-Encoding and Content-Length" in answer
+
+
+def test_connection_counts_cap_each_address_and_the_total_and_forget_closed_ones() -> None:
+    limits = HttpConnectionLimits(1.0, 1.0, max_connections_per_client=2, max_connections=3)
+    counts = ConnectionCounts()
+    assert counts.refusal("a", limits) is None and counts.refusal("a", limits) is None
+    refused = counts.refusal("a", limits)
+    assert refused is not None and refused[0] == 429
+    assert counts.refusal("b", limits) is None
+    refused = counts.refusal("c", limits)
+    assert refused is not None and refused[0] == 503  # the total is full, whoever asks
+    counts.release("a")
+    assert counts.refusal("c", limits) is None
+    for client in ("a", "b", "c"):
+        counts.release(client)
+    assert counts.total == 0 and counts.per_client == {}  # no entry per address ever seen
