@@ -38,6 +38,8 @@ _TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")
 
 
 def _path(error: dict[str, Any]) -> str | None:
+    if error.get("type") == "json_invalid":
+        return None  # loc is a character position
     loc: Sequence[int | str] = error.get("loc", ())
     if loc and loc[0] == "body":
         loc = loc[1:]
@@ -55,8 +57,6 @@ def _path(error: dict[str, Any]) -> str | None:
         elif parts and parts[-1] == "logit_bias" and _TOKEN_ID.fullmatch(item):
             parts.append(item)  # a key of the map, when it is a token id
         # else: a pydantic union tag such as "str" or "list[ChatContentPart]": not part of the field's path
-    if error.get("type") == "json_invalid":
-        return None  # loc is a character position
     return ".".join(parts) or None
 
 

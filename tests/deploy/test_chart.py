@@ -292,3 +292,12 @@ def test_frontend_http_limits_reach_the_frontend_only_when_set(render: Any) -> N
     frontend = parse_container(r, "frontend", dict(pagoda_containers(r))["frontend"]).http_connections
     assert (frontend.header_timeout, frontend.max_connections_per_client, frontend.max_connections) == (5.0, 0, 100)
     assert frontend.body_timeout == default.http_connections.body_timeout  # unset: the frontend's own default
+
+
+def test_chat_content_special_tokens_is_off_unless_set(render: Any) -> None:
+    default = parse_container(render("default"), "frontend", dict(pagoda_containers(render("default")))["frontend"])
+    assert default.chat_content_special_tokens is False
+    out = helm_template("--set", "security.chatContentSpecialTokens=true")
+    assert out.returncode == 0, out.stderr
+    r = Rendered("trusted", [o for o in yaml.safe_load_all(out.stdout) if o])
+    assert parse_container(r, "frontend", dict(pagoda_containers(r))["frontend"]).chat_content_special_tokens
