@@ -113,15 +113,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        content_special_tokens: bool = False,
     ) -> list[RequestOutput]:
+        """`content_special_tokens`: read special-token text in the messages as control tokens (trusted messages
+        only); by default it is plain text, so a message cannot forge a turn."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = [
-            {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)} for conv in conversations
+            {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, content_special_tokens)}
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def apply_chat_template(self, messages: ChatMessages, add_generation_prompt: bool = True) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+    def apply_chat_template(
+        self, messages: ChatMessages, add_generation_prompt: bool = True, content_special_tokens: bool = False
+    ) -> list[int]:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt, content_special_tokens)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

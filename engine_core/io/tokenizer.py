@@ -29,6 +29,7 @@ from typing import Any
 import structlog
 import tokenizers
 
+from engine_core.io.chat_content import ChatContentEscaper
 from engine_core.io.chat_template import ChatTemplate
 
 log = structlog.get_logger(__name__)
@@ -59,6 +60,7 @@ class Tokenizer:
         self.backend_tokenizer = backend  # the name transformers uses (detokenizer.decode_function reads it)
         self.info = info
         self._template = ChatTemplate(info.chat_template) if info.chat_template else None
+        self._content = ChatContentEscaper(backend)
 
     @classmethod
     def load(cls, snapshot_dir: str | Path) -> Tokenizer:
@@ -93,11 +95,21 @@ class Tokenizer:
         return self._template.render(messages, add_generation_prompt, self.info.special_tokens)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        content_special_tokens: bool = False,
     ) -> list[int]:
         """transformers' `apply_chat_template(messages, add_generation_prompt=..., tokenize=True)`: the rendered
-        chat, encoded without special tokens added (the template writes its own)."""
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        chat, encoded without special tokens added (the template writes its own). Special-token text inside the
+        messages is encoded as plain text (`chat_content.py`) unless `content_special_tokens` (trusted callers:
+        then the messages' text may write control tokens, exactly as transformers encodes it)."""
+        template = self.info.chat_template
+        trusted = content_special_tokens or self.info.split_special_tokens  # split: the text is plain anyway
+        if trusted or template is None or not self._content.needed(messages):
+            return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        masked, sentinels = self._content.mask(messages, template)
+        return self._content.encode(self.render_chat(masked, add_generation_prompt), sentinels)
 
 
 def _chosen_template(template: str | dict[str, str] | None) -> str | None:

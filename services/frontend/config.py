@@ -12,6 +12,7 @@ from services.common.flags import add_flag, optional_str
 from services.common.telemetry import FRONTEND_SERVICE_NAME, TracingSettings, add_tracing_flags
 from services.common.tls import TlsFiles
 from services.frontend.auth import read_keys
+from services.frontend.http_guard import HttpConnectionLimits
 from services.frontend.limits import ApiLimits
 
 PREFIX_CACHE_ISOLATION = ("none", "api-key")
@@ -36,6 +37,8 @@ class FrontendConfig:
     enable_client_priority: bool  # off: every request gets priority 0, whatever the client sent
     prefix_cache_isolation: str  # "api-key": each tenant's prompts only hit its own prefix-cache entries
     tokenizer_threads: int
+    http_connections: HttpConnectionLimits
+    chat_content_special_tokens: bool  # on: special-token text in chat messages is read as control tokens
 
 
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
@@ -59,6 +62,23 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
     add_flag(p, "--enable-client-priority", default=False, type=bool, help="honour the priority clients send")
     add_flag(p, "--prefix-cache-isolation", default="none", help="none | api-key (per-tenant prefix cache)")
     add_flag(p, "--tokenizer-threads", default=1, type=int, help="threads that tokenize off the event loop")
+    add_flag(p, "--http-header-timeout", default=10.0, type=float, help="seconds for an HTTP request's head to arrive")
+    add_flag(p, "--http-body-timeout", default=30.0, type=float, help="seconds for an HTTP request's body to arrive")
+    add_flag(
+        p,
+        "--http-max-connections-per-client",
+        default=256,
+        type=int,
+        help="open HTTP connections from one source address (0: no cap; raise it behind a proxy)",
+    )
+    add_flag(p, "--http-max-connections", default=8192, type=int, help="open HTTP connections in all (0: no cap)")
+    add_flag(
+        p,
+        "--chat-content-special-tokens",
+        default=False,
+        type=bool,
+        help="read special-token text in chat messages as control tokens (trusted callers only; off: plain text)",
+    )
     TlsFiles.add_flags(p)
     ApiLimits.add_flags(p)
     add_tracing_flags(p)
@@ -70,6 +90,10 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         api_keys = read_keys(a.api_keys, a.api_keys_file)
     except (ValueError, OSError) as e:
         p.error(str(e))
+    if a.http_header_timeout <= 0 or a.http_body_timeout <= 0:
+        p.error("--http-header-timeout and --http-body-timeout must be > 0")
+    if a.http_max_connections_per_client < 0 or a.http_max_connections < 0:
+        p.error("--http-max-connections-per-client and --http-max-connections must be >= 0 (0: no cap)")
     if a.prefix_cache_isolation == "api-key" and not api_keys:
         p.error("--prefix-cache-isolation api-key needs --api-keys or --api-keys-file")
     return FrontendConfig(
@@ -90,4 +114,11 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         enable_client_priority=a.enable_client_priority,
         prefix_cache_isolation=a.prefix_cache_isolation,
         tokenizer_threads=max(1, a.tokenizer_threads),
+        chat_content_special_tokens=a.chat_content_special_tokens,
+        http_connections=HttpConnectionLimits(
+            header_timeout=a.http_header_timeout,
+            body_timeout=a.http_body_timeout,
+            max_connections_per_client=a.http_max_connections_per_client,
+            max_connections=a.http_max_connections,
+        ),
     )

@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.trace import TraceContext
 from services.frontend.auth import ApiKeys
@@ -25,6 +26,7 @@ from services.frontend.openai_convert import (
     finish_fields,
     usage_info,
 )
+from services.frontend.openai_errors import http_error_body, validation_error
 from services.frontend.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -354,11 +356,13 @@ def create_app(pipeline: RequestPipeline, is_serving: Callable[[], bool], keys: 
 
     async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
-        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-        return error_response(RequestError.invalid(message, param))
+        return error_response(validation_error(exc))
+
+    async def on_http_error(_request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        body = http_error_body(exc.status_code, str(exc.detail))
+        return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
 
     app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from engine_core.io.output_processor import ChoiceDelta
@@ -20,6 +21,7 @@ from services.frontend.openai_protocol import (
 )
 from services.frontend.request import ChatMessage, GenerateInput, PromptInput, RequestError, Usage
 
+_TOKEN_ID = re.compile(r"0|-?[1-9][0-9]*")
 _PASSTHROUGH = (
     "n",
     "temperature",
@@ -46,10 +48,11 @@ def _params(
     if req.stop is not None:
         kwargs["stop"] = req.stop
     if req.logit_bias:
-        try:
-            kwargs["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
-        except ValueError as e:
-            raise RequestError.invalid(f"logit_bias keys must be token ids (integers as strings): {e}") from e
+        for key in req.logit_bias:
+            # NOTE: int() also reads " 5 ", "1_0" and non-ASCII digits: only the canonical decimal form is a token id.
+            if _TOKEN_ID.fullmatch(key) is None:
+                raise RequestError.invalid(f"logit_bias keys must be token ids in decimal, got {key!r}", "logit_bias")
+        kwargs["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     kwargs["max_tokens"] = max_tokens
     kwargs["logprobs"] = logprobs
     try:

@@ -5,12 +5,35 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def _check_unicode(value: object) -> None:
+    if isinstance(value, str):
+        if not value.isascii():
+            value.encode("utf-8")  # NOTE: raises on a lone surrogate ("\\ud800" is valid JSON, not valid text)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _check_unicode(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_unicode(k)
+            _check_unicode(v)
 
 
 class _Request(BaseModel):
-    # NOTE: unknown fields are errors naming the field, so a typo never silently falls back to a default.
-    model_config = ConfigDict(extra="forbid")
+    # NOTE: unknown fields are errors naming the field, so a typo never silently falls back to a default; strict:
+    # no coercion (`n: true`, `n: "2"`, `prompt: [true]` are errors, as in OpenAI's API), but ints are valid floats.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_text(cls, value: object) -> object:
+        try:
+            _check_unicode(value)
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text must be valid Unicode (a lone surrogate at character {e.start})") from None
+        return value
 
 
 class StreamOptions(_Request):

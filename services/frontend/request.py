@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,9 @@ from services.common.trace import TraceContext
 
 if TYPE_CHECKING:
     from services.frontend.tracing import RequestSpan
+
+_FIELD_PATH = re.compile(r"[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*|\.[0-9]+|\[[0-9]+\])*")
+_BRACKET_INDEX = re.compile(r"\[([0-9]+)\]")
 
 
 class ErrorCode(enum.Enum):
@@ -40,7 +44,12 @@ class RequestError(Exception):
 
     @classmethod
     def invalid(cls, message: str, param: str | None = None) -> RequestError:
-        return cls(ErrorCode.INVALID_ARGUMENT, message, param or message.split(" ", 1)[0].rstrip(":"))
+        if param is None:
+            # NOTE: messages start with the field they are about ("top_p must be ..."); anything else (a word,
+            # a number) is no field name: no param rather than a wrong one.
+            first = message.split(" ", 1)[0].rstrip(":")
+            param = _BRACKET_INDEX.sub(r".\1", first) if _FIELD_PATH.fullmatch(first) else None
+        return cls(ErrorCode.INVALID_ARGUMENT, message, param)
 
 
 @dataclass

@@ -32,6 +32,7 @@ from services.common.tls import add_port
 from services.frontend.auth import ApiKeys
 from services.frontend.config import FrontendConfig, parse_frontend_args
 from services.frontend.grpc_api import GenerationServicer
+from services.frontend.http_guard import GuardedConfig
 from services.frontend.metrics import RequestMetrics, add_metrics_route
 from services.frontend.openai_api import create_app
 from services.frontend.pipeline import AdmissionPolicy, RequestPipeline
@@ -65,7 +66,9 @@ async def _load_pipeline(
     eos = model_tokenizer.eos_token_id
     if eos is None:
         eos = next(iter(read_generation_eos(model_dir)), None)
-    tokenizer = PromptTokenizer(model_tokenizer, info.vocab_size, info.max_model_len)
+    tokenizer = PromptTokenizer(
+        model_tokenizer, info.vocab_size, info.max_model_len, config.chat_content_special_tokens
+    )
     model = ModelDescription(
         name=info.model,
         architecture=info.architecture,
@@ -143,8 +146,9 @@ async def serve(config: FrontendConfig, telemetry: Telemetry | None = None) -> i
                 excluded_urls="/health,/metrics",
                 exclude_spans=["receive", "send"],
             )
-        uv_config = uvicorn.Config(
+        uv_config = GuardedConfig(
             app,
+            config.http_connections,
             host=config.host,
             port=config.http_port,
             log_level="warning",

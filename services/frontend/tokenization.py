@@ -10,10 +10,13 @@ _ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class PromptTokenizer:
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, chat_content_special_tokens: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.chat_content_special_tokens = chat_content_special_tokens  # trusted callers may write control tokens
 
     @property
     def has_chat_template(self) -> bool:
@@ -50,12 +53,14 @@ class PromptTokenizer:
             raise RequestError.invalid(f"{prompt.field} must contain at least one message")
         for i, m in enumerate(messages):
             if m.role not in _ROLES:
-                raise RequestError.invalid(f"{prompt.field}[{i}].role must be one of {_ROLES}, got {m.role!r}")
+                raise RequestError.invalid(f"{prompt.field}.{i}.role must be one of {_ROLES}, got {m.role!r}")
         if not self.has_chat_template:
             raise RequestError.invalid(f"{prompt.field}: the model has no chat template; send text or token ids")
         conversation = [{"role": m.role, "content": m.content} for m in messages]
         try:
-            return self.tokenizer.apply_chat_template(conversation, prompt.add_generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                conversation, prompt.add_generation_prompt, self.chat_content_special_tokens
+            )
         except Exception as e:  # NOTE: jinja templates raise anything (e.g. "roles must alternate")
             raise RequestError.invalid(f"{prompt.field}: the chat template rejected the messages: {e}") from e
 

@@ -382,6 +382,8 @@ def test_notes_tell_how_to_call_generate(render: Any) -> None:
         "frontend.initContainers[0].name=no-image",
         "scheduler.priorityClassName=1",
         "worker.podAnnotations.a=1",
+        "frontend.http.maxConnectionsPerClient=-1",
+        "frontend.http.headerTimeout=0",
     ],
 )
 def test_schema_rejects_bad_values(bad: str) -> None:
@@ -393,3 +395,27 @@ def test_schema_rejects_bad_values(bad: str) -> None:
 def test_two_autoscalers_on_the_frontends_are_refused() -> None:
     out = helm_template("--set", "keda.enabled=true", "--set", "frontend.autoscaling.enabled=true")
     assert out.returncode != 0 and "enable one" in out.stderr, out.stderr
+
+
+def test_frontend_http_limits_reach_the_frontend_only_when_set(render: Any) -> None:
+    default = parse_container(render("default"), "frontend", dict(pagoda_containers(render("default")))["frontend"])
+    values = [
+        "frontend.http.headerTimeout=5",
+        "frontend.http.maxConnectionsPerClient=0",
+        "frontend.http.maxConnections=100",
+    ]
+    out = helm_template(*(arg for v in values for arg in ("--set", v)))
+    assert out.returncode == 0, out.stderr
+    r = Rendered("http", [o for o in yaml.safe_load_all(out.stdout) if o])
+    frontend = parse_container(r, "frontend", dict(pagoda_containers(r))["frontend"]).http_connections
+    assert (frontend.header_timeout, frontend.max_connections_per_client, frontend.max_connections) == (5.0, 0, 100)
+    assert frontend.body_timeout == default.http_connections.body_timeout  # unset: the frontend's own default
+
+
+def test_chat_content_special_tokens_is_off_unless_set(render: Any) -> None:
+    default = parse_container(render("default"), "frontend", dict(pagoda_containers(render("default")))["frontend"])
+    assert default.chat_content_special_tokens is False
+    out = helm_template("--set", "security.chatContentSpecialTokens=true")
+    assert out.returncode == 0, out.stderr
+    r = Rendered("trusted", [o for o in yaml.safe_load_all(out.stdout) if o])
+    assert parse_container(r, "frontend", dict(pagoda_containers(r))["frontend"]).chat_content_special_tokens

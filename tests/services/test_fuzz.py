@@ -6,14 +6,16 @@ short (at most a few tokens, or cancelled after the first message)."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 import grpc
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
 from services.client import GenerationClient, text_request
@@ -32,12 +34,34 @@ CLIENT_ERRORS = {
 }
 GREEDY = text_request("The capital of France is", max_tokens=8)
 FUZZ_COUNTS = {"grpc": 0, "http": 0}
+FIELD_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")  # messages.0.content, logit_bias.5
 
 int32 = st.one_of(st.sampled_from([INT32_MIN, -2, -1, 0, 1, 2, 3, 16, INT32_MAX]), st.integers(INT32_MIN, INT32_MAX))
 int64 = st.one_of(st.sampled_from([INT64_MIN, -1, 0, 1, INT64_MAX - 1, INT64_MAX]), st.integers(INT64_MIN, INT64_MAX))
 # NOTE: proto strings are UTF-8: no lone surrogates; control characters, NUL and astral planes are all fair game.
 text = st.text(st.characters(exclude_categories=("Cs",)), max_size=64)
-doubles = st.one_of(st.floats(), st.sampled_from([0.0, -0.0, 1e-9, 1.0, 2.0, 1e308, float("nan"), float("inf")]))
+# Valid in float64, not in the float32 the engine samples in: subnormals, values that round to 0 or to inf in float32,
+# and float32's own edges (the class of `top_p=1e-300`, which once crashed a worker step).
+EXTREME_FLOATS = [
+    5e-324,  # the smallest float64 subnormal
+    1e-310,  # a float64 subnormal
+    1e-300,  # 0 in float32
+    1e-46,  # 0 in float32 (below its smallest subnormal, 1.4e-45)
+    1.4e-45,  # float32's smallest subnormal
+    1e-40,  # a float32 subnormal
+    1.1754943508222875e-38,  # float32's smallest normal
+    3.4028234663852886e38,  # float32's largest
+    3.5e38,  # inf in float32
+    1e300,  # inf in float32
+    1.7976931348623157e308,  # float64's largest
+]
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+extreme_floats = st.sampled_from([sign * x for x in EXTREME_FLOATS for sign in (1.0, -1.0)])
+doubles = st.one_of(
+    st.floats(),
+    st.sampled_from([0.0, -0.0, 1e-9, 1.0, 2.0, 1e308, float("nan"), float("inf")]),
+    extreme_floats,
+)
 
 
 def _maybe(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -122,9 +146,49 @@ def test_grpc_fuzz_never_a_server_error(
         call.cancel()
 
 
+@st.composite
+def extreme_sampling(draw: st.DrawFn) -> common_pb2.SamplingOptions:
+    """An otherwise valid request whose float fields are extreme or ordinary: every one either passes validation and
+    generates, or is refused by name; none may fail a step."""
+    opts = common_pb2.SamplingOptions(max_tokens=2, seed=draw(st.integers(0, 2**31)))
+    for name in FLOAT_FIELDS:
+        if draw(st.booleans()):
+            setattr(opts, name, draw(st.one_of(extreme_floats, st.floats(0.0, 2.0))))
+    return opts
+
+
+# NOTE: strict: it finds `top_p=5e-324` failing the step (issue 35 item 1); the mark goes when that fix lands.
+@pytest.mark.xfail(strict=True, reason="issue 35 item 1: float32 underflow fails a worker step")
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(sampling=extreme_sampling())
+@example(sampling=common_pb2.SamplingOptions(max_tokens=3, top_p=1e-300))  # the issue's two reports, every run
+@example(sampling=common_pb2.SamplingOptions(max_tokens=3, top_p=0.9, temperature=1.0, repetition_penalty=1e-40))
+def test_grpc_extreme_floats_generate_or_are_refused(
+    client: GenerationClient, greedy_before: list[int], sampling: common_pb2.SamplingOptions
+) -> None:
+    FUZZ_COUNTS["grpc"] += 1
+    request_ = generation_pb2.GenerateRequest(text="The capital of France is", sampling=sampling)
+    try:
+        for _ in client.stub.Generate(request_, timeout=60):
+            pass  # NOTE: read to the end: a failing step shows only after the first tokens
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (e.code(), e.details(), sampling)
+
+
 @pytest.fixture(scope="module")
 def openapi(cluster: LocalCluster) -> Any:
     return schemathesis.openapi.from_url(f"{cluster.http_url}/openapi.json")
+
+
+def _extreme(case: Any, data: st.DataObject) -> None:
+    """Some sampling fields of a body set to extreme floats (valid JSON numbers)."""
+    if not isinstance(case.body, dict):
+        return
+    for name in FLOAT_FIELDS:
+        if data.draw(st.integers(0, 3)) == 0:
+            case.body[name] = data.draw(extreme_floats)
+    if data.draw(st.integers(0, 7)) == 0:
+        case.body["logit_bias"] = {"0": data.draw(extreme_floats)}
 
 
 def _bounded(case: Any) -> None:
@@ -151,11 +215,36 @@ def test_http_fuzz_never_a_server_error(cluster: LocalCluster, openapi: Any, pat
     @given(data=st.data())
     def run(data: st.DataObject) -> None:
         case = data.draw(operation.as_strategy())
+        _extreme(case, data)
         _bounded(case)
         FUZZ_COUNTS["http"] += 1
         response = case.call(base_url=cluster.http_url, timeout=60)
         case.validate_response(response, checks=[not_a_server_error])
         assert '"code":500' not in response.text.replace(" ", ""), response.text
+
+    run()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_http_fuzz_wrong_types_are_openai_400s(cluster: LocalCluster, openapi: Any, path: str) -> None:
+    """Bodies that break the schema (schemathesis' negative mode: wrong types, missing fields, out-of-schema values)
+    are refused with OpenAI's error object whose param, when set, is a field path: strict types, no coercion."""
+    operation = openapi[path]["POST"]
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @given(data=st.data())
+    def run(data: st.DataObject) -> None:
+        case = data.draw(operation.as_strategy(generation_mode=GenerationMode.NEGATIVE))
+        _bounded(case)
+        FUZZ_COUNTS["http"] += 1
+        response = case.call(base_url=cluster.http_url, timeout=60)
+        case.validate_response(response, checks=[not_a_server_error])
+        if response.status_code < 400:
+            return  # NOTE: a mutation that happens to be valid (schemathesis cannot always break a schema)
+        body = response.json()
+        assert set(body) == {"error"}, response.text
+        param = body["error"]["param"]
+        assert param is None or FIELD_PATH.fullmatch(param), response.text
 
     run()
 
