@@ -12,6 +12,7 @@ from services.common.telemetry import FRONTEND_SERVICE_NAME, TracingSettings, ad
 from services.common.tls import TlsFiles
 from services.frontend.auth import read_keys
 from services.frontend.limits import ApiLimits
+from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT
 
 PREFIX_CACHE_ISOLATION = ("none", "api-key")
 
@@ -35,6 +36,7 @@ class FrontendConfig:
     enable_client_priority: bool  # off: every request gets priority 0, whatever the client sent
     prefix_cache_isolation: str  # "api-key": each tenant's prompts only hit its own prefix-cache entries
     tokenizer_threads: int
+    stream_send_timeout: float  # seconds a client has to take each stream message before its request is aborted
 
 
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
@@ -52,6 +54,13 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
     add_flag(p, "--enable-client-priority", default=False, type=bool, help="honour the priority clients send")
     add_flag(p, "--prefix-cache-isolation", default="none", help="none | api-key (per-tenant prefix cache)")
     add_flag(p, "--tokenizer-threads", default=1, type=int, help="threads that tokenize off the event loop")
+    add_flag(
+        p,
+        "--stream-send-timeout",
+        default=DEFAULT_STREAM_SEND_TIMEOUT,
+        type=float,
+        help="seconds a streaming client may leave a message unread before its request is aborted (RESOURCE_EXHAUSTED)",
+    )
     TlsFiles.add_flags(p)
     ApiLimits.add_flags(p)
     add_tracing_flags(p)
@@ -63,6 +72,8 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         api_keys = read_keys(a.api_keys, a.api_keys_file)
     except (ValueError, OSError) as e:
         p.error(str(e))
+    if not a.stream_send_timeout > 0:
+        p.error(f"--stream-send-timeout must be > 0, got {a.stream_send_timeout}")
     if a.prefix_cache_isolation == "api-key" and not api_keys:
         p.error("--prefix-cache-isolation api-key needs --api-keys or --api-keys-file")
     return FrontendConfig(
@@ -83,4 +94,5 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         enable_client_priority=a.enable_client_priority,
         prefix_cache_isolation=a.prefix_cache_isolation,
         tokenizer_threads=max(1, a.tokenizer_threads),
+        stream_send_timeout=a.stream_send_timeout,
     )
