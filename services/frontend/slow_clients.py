@@ -1,7 +1,7 @@
 """Clients that stop reading: every message of a stream must be taken by the client within `--stream-send-timeout`.
 
 A stream's messages are sent one at a time, and a send returns once the transport took the message: gRPC when
-the client's HTTP/2 window and gRPC's write buffer (64 KiB) have room, the HTTP API when uvicorn's write buffer is
+the client's HTTP/2 window and gRPC's write buffer have room, the HTTP API when uvicorn's write buffer is
 under its high-water mark (64 KiB). So what the frontend holds for one stream is bounded by those buffers plus the
 one message being sent; while a send waits, the stream reads nothing more from the scheduler.
 
