@@ -14,12 +14,19 @@ import requests
 from services.client import text_request
 from services.common.grpc_opts import CHANNEL_OPTIONS
 from services.frontend.config import parse_frontend_args
-from services.launcher import LaunchConfig, LocalCluster
-from services.rpc import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from services.launcher import LaunchConfig, LocalCluster, free_port
+from services.rpc import (
+    GENERATION_SERVICE,
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+)
 from services.scheduler.config import parse_scheduler_args
 from services.worker.config import parse_worker_args
 from tests.services.certs import make_test_pki
-from tests.services.probes import start_healthy
+from tests.services.probes import start_healthy, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -244,3 +251,45 @@ def test_http_request_ids_are_scoped_by_key(secure_cluster: LocalCluster) -> Non
         lines = [line for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
         assert lines[-1] == "data: [DONE]"
         assert '"id":"cmpl-http-shared"' in lines[0]
+
+
+def _serving(stub: generation_pb2_grpc.GenerationStub) -> bool:
+    try:
+        return bool(stub.ModelInfo(generation_pb2.ModelInfoRequest(), metadata=_key(KEY_A), timeout=5).model)
+    except grpc.RpcError:
+        return False
+
+
+def test_request_ids_are_scoped_across_frontends(
+    secure_cluster: LocalCluster, stub: generation_pb2_grpc.GenerationStub
+) -> None:
+    """A second frontend on the same scheduler: each frontend only knows its own streams, the scheduler keys them
+    by (tenant, id)."""
+    port = free_port()
+    args = ["--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", "-1"]
+    args += ["--scheduler-addr", secure_cluster.scheduler_addr, *secure_cluster.config.extra_frontend_args]
+    second = secure_cluster.spawn("frontend2", "services.frontend", args, f"127.0.0.1:{port}", GENERATION_SERVICE, {})
+    tls = secure_cluster.config.tls
+    assert tls.ca_file is not None
+    creds = grpc.ssl_channel_credentials(root_certificates=Path(tls.ca_file).read_bytes())
+    try:
+        with grpc.secure_channel(f"127.0.0.1:{port}", creds, options=CHANNEL_OPTIONS) as channel:
+            stub2 = generation_pb2_grpc.GenerationStub(channel)
+            wait_until(lambda: _serving(stub2), 300, "the second frontend serving")
+            a = stub.Generate(_story("across", max_tokens=2000), metadata=_key(KEY_A))
+            b = stub2.Generate(_story("across", max_tokens=120), metadata=_key(KEY_B))
+            a_first, b_first = next(a), next(b)  # the same id, two keys, two frontends: both run
+            # The same key through the other frontend: only the scheduler knows the id is taken.
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub2.Generate(_story("across", max_tokens=4), metadata=_key(KEY_A)))
+            assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            # A aborts its own request through the other frontend; B's request of that id runs on untouched.
+            assert stub2.Abort(common_pb2.AbortRequest(request_id="across"), metadata=_key(KEY_A), timeout=10).found
+            assert _finish(a_first, a)[-1].final.choices[0].finish_reason == common_pb2.FINISH_REASON_ABORT
+            b_final = _finish(b_first, b)[-1].final
+            assert b_final.choices[0].finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert b_final.usage.completion_tokens == 120
+    finally:
+        second.process.terminate()
+        assert second.process.wait(60) == 0
+        secure_cluster.services.remove(second)
