@@ -155,10 +155,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     msg = response_from_event(event, prepared.prompt_token_ids)
                     await send_within(context.write(msg), self.send_timeout, prepared.request_id)
         except RequestError as e:
+            # NOTE: the status queues behind the unread messages; a client that never reads again must not hold
+            # this handler (gRPC still delivers the status if the client comes back).
             with contextlib.suppress(TimeoutError):
-                # NOTE: the status queues behind the unread messages; a client that never reads again must not
-                # hold this handler (gRPC still delivers the status if the client comes back).
-                await asyncio.wait_for(context.abort(GRPC_CODES[e.code], e.message), self.send_timeout)
+                async with asyncio.timeout(self.send_timeout):
+                    await context.abort(GRPC_CODES[e.code], e.message)
         return
         # NOTE: sends with context.write (a yield cannot have a deadline); still an async generator, because
         # OpenTelemetry's server interceptor iterates streaming handlers.
