@@ -14,6 +14,7 @@ from services.common.tls import TlsFiles
 from services.frontend.auth import read_keys
 from services.frontend.http_guard import HttpConnectionLimits
 from services.frontend.limits import ApiLimits
+from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT
 
 PREFIX_CACHE_ISOLATION = ("none", "api-key")
 
@@ -39,6 +40,7 @@ class FrontendConfig:
     tokenizer_threads: int
     http_connections: HttpConnectionLimits
     chat_content_special_tokens: bool  # on: special-token text in chat messages is read as control tokens
+    stream_send_timeout: float  # seconds a client has to take each stream message before its request is aborted
 
 
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
@@ -79,6 +81,13 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         type=bool,
         help="read special-token text in chat messages as control tokens (trusted callers only; off: plain text)",
     )
+    add_flag(
+        p,
+        "--stream-send-timeout",
+        default=DEFAULT_STREAM_SEND_TIMEOUT,
+        type=float,
+        help="seconds a streaming client may leave a message unread before its request is aborted (RESOURCE_EXHAUSTED)",
+    )
     TlsFiles.add_flags(p)
     ApiLimits.add_flags(p)
     add_tracing_flags(p)
@@ -94,6 +103,8 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         p.error("--http-header-timeout and --http-body-timeout must be > 0")
     if a.http_max_connections_per_client < 0 or a.http_max_connections < 0:
         p.error("--http-max-connections-per-client and --http-max-connections must be >= 0 (0: no cap)")
+    if not a.stream_send_timeout > 0:
+        p.error(f"--stream-send-timeout must be > 0, got {a.stream_send_timeout}")
     if a.prefix_cache_isolation == "api-key" and not api_keys:
         p.error("--prefix-cache-isolation api-key needs --api-keys or --api-keys-file")
     return FrontendConfig(
@@ -121,4 +132,5 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
             max_connections_per_client=a.http_max_connections_per_client,
             max_connections=a.http_max_connections,
         ),
+        stream_send_timeout=a.stream_send_timeout,
     )

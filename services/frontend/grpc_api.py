@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -15,6 +17,7 @@ from services.frontend.auth import ApiKeys
 from services.frontend.limits import ApiLimits
 from services.frontend.pipeline import RequestPipeline
 from services.frontend.request import ChatMessage, ErrorCode, GenerateInput, PromptInput, RequestError, StreamEvent
+from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT, send_within
 from services.rpc import common_pb2, generation_pb2, generation_pb2_grpc
 
 GRPC_CODES = {code: getattr(grpc.StatusCode, code.value) for code in ErrorCode}
@@ -118,10 +121,16 @@ def _reason_from_openai(reason: str | None, stop: int | str | None) -> int:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """Serves once `pipeline` is set (the tokenizer loaded and the scheduler ready); UNAVAILABLE before."""
 
-    def __init__(self, keys: ApiKeys | None = None, limits: ApiLimits | None = None) -> None:
+    def __init__(
+        self,
+        keys: ApiKeys | None = None,
+        limits: ApiLimits | None = None,
+        send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT,
+    ) -> None:
         self.pipeline: RequestPipeline | None = None
         self.keys = keys or ApiKeys([])
         self.limits = limits or ApiLimits()
+        self.send_timeout = send_timeout  # seconds the client has to take each message (slow_clients)
 
     def _ready(self, context: grpc.aio.ServicerContext) -> tuple[RequestPipeline, str]:
         """The pipeline and the caller's tenant (UNAUTHENTICATED first: no state is revealed to a stranger)."""
@@ -140,10 +149,21 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             pipeline, tenant = self._ready(context)
             prepared = await pipeline.prepare(input_from_proto(request, self._trace(context), tenant))
-            async for event in pipeline.stream(prepared):
-                yield response_from_event(event, prepared.prompt_token_ids)
+            # NOTE: closed on the way out, before the status is sent: a stalled client's request is aborted at once.
+            async with contextlib.aclosing(pipeline.stream(prepared)) as events:
+                async for event in events:
+                    msg = response_from_event(event, prepared.prompt_token_ids)
+                    await send_within(context.write(msg), self.send_timeout, prepared.request_id)
         except RequestError as e:
-            await context.abort(GRPC_CODES[e.code], e.message)
+            # NOTE: the status queues behind the unread messages; a client that never reads again must not hold
+            # this handler (gRPC still delivers the status if the client comes back).
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.send_timeout):
+                    await context.abort(GRPC_CODES[e.code], e.message)
+        return
+        # NOTE: sends with context.write (a yield cannot have a deadline); still an async generator, because
+        # OpenTelemetry's server interceptor iterates streaming handlers.
+        yield
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -45,6 +45,7 @@ from services.frontend.openai_protocol import (
 )
 from services.frontend.pipeline import RequestPipeline
 from services.frontend.request import ErrorCode, FinalInfo, PreparedRequest, RequestError, StreamEvent, Usage
+from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT, SseResponse
 
 HTTP_STATUS = {
     ErrorCode.INVALID_ARGUMENT: 400,
@@ -105,10 +106,11 @@ async def _merge(streams: list[AsyncIterator[StreamEvent]]) -> AsyncIterator[tup
             task.cancel()
 
 
-async def _start_sse(chunks: AsyncIterator[str]) -> Response:
+async def _start_sse(chunks: AsyncIterator[str], send_timeout: float, request_id: str) -> Response:
     """Reads the stream up to its first chunk before answering, so failures of admission (overload, scheduler or
     worker down) get their status code (429, 503) instead of an error event after a 200. Empty chunks only mark
-    that the request was admitted and are not sent."""
+    that the request was admitted and are not sent. A client that stops reading for `send_timeout` is cut off
+    (services.frontend.slow_clients)."""
     try:
         first = await anext(chunks, None)
     except RequestError as e:
@@ -116,20 +118,26 @@ async def _start_sse(chunks: AsyncIterator[str]) -> Response:
         return error_response(e)
 
     async def rest() -> AsyncIterator[str]:
-        if first:
-            yield first
-        async for chunk in chunks:
-            if chunk:
-                yield chunk
+        try:
+            if first:
+                yield first
+            async for chunk in chunks:
+                if chunk:
+                    yield chunk
+        finally:
+            await chunks.aclose()  # NOTE: closed early (client gone or too slow): its requests are aborted now
 
-    return StreamingResponse(rest(), media_type="text/event-stream")
+    return SseResponse(rest(), send_timeout, request_id)
 
 
 class OpenAIRoutes:
-    def __init__(self, pipeline: RequestPipeline, is_serving: Callable[[], bool], keys: ApiKeys) -> None:
+    def __init__(
+        self, pipeline: RequestPipeline, is_serving: Callable[[], bool], keys: ApiKeys, send_timeout: float
+    ) -> None:
         self.pipeline = pipeline
         self.is_serving = is_serving
         self.keys = keys
+        self.send_timeout = send_timeout
 
     def _tenant(self, request: Request) -> str:
         return self.keys.tenant(request.headers.items())
@@ -194,7 +202,7 @@ class OpenAIRoutes:
         except RequestError as e:
             return error_response(e)
         if body.stream:
-            return await _start_sse(self._completion_stream(body, f"cmpl-{rid}", prepared))
+            return await _start_sse(self._completion_stream(body, f"cmpl-{rid}", prepared), self.send_timeout, rid)
         try:
             finals = await self._collect_all(request, prepared)
         except RequestError as e:
@@ -286,7 +294,7 @@ class OpenAIRoutes:
         cid = f"chatcmpl-{rid}"
         top_k = body.top_logprobs or 0
         if body.stream:
-            return await _start_sse(self._chat_stream(body, cid, prepared, top_k))
+            return await _start_sse(self._chat_stream(body, cid, prepared, top_k), self.send_timeout, rid)
         try:
             finals = await self._collect_all(request, [prepared])
         except RequestError as e:
@@ -343,12 +351,17 @@ class OpenAIRoutes:
             yield _sse(_error_body(e))
 
 
-def create_app(pipeline: RequestPipeline, is_serving: Callable[[], bool], keys: ApiKeys | None = None) -> FastAPI:
+def create_app(
+    pipeline: RequestPipeline,
+    is_serving: Callable[[], bool],
+    keys: ApiKeys | None = None,
+    send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT,
+) -> FastAPI:
     app = FastAPI(
         title="Pagoda", description="OpenAI-compatible API of the Pagoda frontend", docs_url=None, redoc_url=None
     )
     app.add_middleware(BodySizeLimit, max_bytes=pipeline.limits.max_request_bytes)
-    routes = OpenAIRoutes(pipeline, is_serving, keys or ApiKeys([]))
+    routes = OpenAIRoutes(pipeline, is_serving, keys or ApiKeys([]), send_timeout)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)

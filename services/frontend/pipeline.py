@@ -23,6 +23,7 @@ from engine_core.io.output_processor import OutputProcessor, StopMatch
 from engine_core.io.request_output import RequestOutput
 from engine_core.sampling_params import with_eos
 from services.common.logs import request_fields
+from services.common.request_scope import scoped_request_id
 from services.common.telemetry import Telemetry
 from services.common.timeutil import now_ns
 from services.common.trace import TraceContext
@@ -79,6 +80,7 @@ class RequestPipeline:
         self.metrics = metrics
         self.telemetry = telemetry
         self.processor = OutputProcessor(tokenizer.tokenizer)
+        # NOTE: scoped ids (tenant/request_id): a tenant's id never collides with, nor reveals, another tenant's.
         self.active: set[str] = set()
         self.draining = False
         self._background: set[asyncio.Task[None]] = set()
@@ -104,7 +106,7 @@ class RequestPipeline:
         request_id = inp.request_id or uuid.uuid4().hex
         self.limits.check_request_id(request_id)
         self.limits.check_input(inp)
-        if request_id in self.active:
+        if scoped_request_id(inp.tenant, request_id) in self.active:
             raise RequestError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already in use", "request_id")
         return request_id
 
@@ -176,12 +178,13 @@ class RequestPipeline:
         """Streams one request. Closing the iterator early (client gone) cancels the scheduler stream, which
         aborts the request there."""
         rid = req.request_id
-        if rid in self.active:
+        key = scoped_request_id(req.tenant, rid)  # the output processor's and the scheduler's id
+        if key in self.active:
             err = RequestError(ErrorCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use", "request_id")
             if req.span is not None:
                 req.span.finish(rid, None, len(req.prompt_token_ids), err.code.value, err.message)
             raise err
-        self.active.add(rid)
+        self.active.add(key)
         call: grpc.aio.UnaryStreamCall | None = None
         output: RequestOutput | None = None
         span = req.span
@@ -194,8 +197,8 @@ class RequestPipeline:
         error_type: str | None = None
         # NOTE: everything after taking the slot is inside the try: every failure path releases it.
         try:
-            self.processor.add_request(rid, req.prompt_text, req.prompt_token_ids, req.params, req.arrival_monotonic)
-            output = self.processor.requests[rid].output
+            self.processor.add_request(key, req.prompt_text, req.prompt_token_ids, req.params, req.arrival_monotonic)
+            output = self.processor.requests[key].output
             if span is None:
                 # NOTE: tracing off: the client's context travels on unchanged (as message field and metadata).
                 call = self.client.submit(self._submit_message(req, req.trace), req.trace.metadata())
@@ -206,7 +209,7 @@ class RequestPipeline:
                     call = self.client.submit(self._submit_message(req, TraceContext.of_span(span.span)), ())
             async for msg in call:
                 t0 = span.detokenize_begin() if span is not None else 0.0
-                step = self.processor.process([seq_output_from_proto(rid, o) for o in msg.outputs])
+                step = self.processor.process([seq_output_from_proto(key, o) for o in msg.outputs])
                 if span is not None:
                     span.detokenize_end(t0)
                 for stop in step.stops:
@@ -224,7 +227,7 @@ class RequestPipeline:
                     last_token_ns = now
                 if msg.finished and not output.finished:
                     # NOTE: cannot happen with a healthy scheduler (it reports every choice's end); never hang.
-                    self.processor.abort(rid)
+                    self.processor.abort(key)
                 event = StreamEvent(rid, deltas, first=first)
                 first = False
                 plp = output.prompt_logprobs
@@ -262,9 +265,9 @@ class RequestPipeline:
             error_type = e.code.value
             raise
         finally:
-            self.active.discard(rid)
-            if not done and rid in self.processor.requests:
-                self.processor.abort(rid)
+            self.active.discard(key)
+            if not done and key in self.processor.requests:
+                self.processor.abort(key)
                 error_type = error_type or "cancelled"
                 # NOTE: the one `request finished` line of a request that ended without its final message.
                 log.info("request finished", error=error_type, **request_fields(rid, self._trace_of(req)))
@@ -282,9 +285,10 @@ class RequestPipeline:
     def _finish_choice(self, stop: StopMatch, req: PreparedRequest) -> None:
         async def send() -> None:
             try:
-                await self.client.finish_choice(stop.request_id, stop.index, stop.stop, req.trace.to_proto())
+                trace = req.trace.to_proto()
+                await self.client.finish_choice(req.request_id, req.tenant, stop.index, stop.stop, trace)
             except grpc.aio.AioRpcError as e:
-                log.warning("FinishChoice failed", request_id=stop.request_id, error=e.details())
+                log.warning("FinishChoice failed", request_id=req.request_id, error=e.details())
 
         task = asyncio.ensure_future(send())
         self._background.add(task)

@@ -52,8 +52,10 @@ class SchedulerClient:
         resp = await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id, owner=owner), timeout=10.0)
         return resp.found
 
-    async def finish_choice(self, request_id: str, index: int, stop: str, trace: common_pb2.TraceContext) -> None:
-        req = scheduler_pb2.FinishChoiceRequest(request_id=request_id, index=index, stop=stop, trace=trace)
+    async def finish_choice(
+        self, request_id: str, owner: str, index: int, stop: str, trace: common_pb2.TraceContext
+    ) -> None:
+        req = scheduler_pb2.FinishChoiceRequest(request_id=request_id, index=index, stop=stop, trace=trace, owner=owner)
         await self.stub.FinishChoice(req, timeout=10.0)
 
     async def stats(self) -> scheduler_pb2.StatsResponse:

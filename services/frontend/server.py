@@ -111,7 +111,7 @@ async def serve(config: FrontendConfig, telemetry: Telemetry | None = None) -> i
         interceptors=telemetry.server_interceptors() if telemetry is not None else None,
     )
     keys = ApiKeys(config.api_keys)
-    servicer = GenerationServicer(keys, config.limits)
+    servicer = GenerationServicer(keys, config.limits, config.stream_send_timeout)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = ServiceHealth(server, [GENERATION_SERVICE])
     await health.set_serving(False)
@@ -136,7 +136,7 @@ async def serve(config: FrontendConfig, telemetry: Telemetry | None = None) -> i
     http: _Uvicorn | None = None
     http_task: asyncio.Future[None] | None = None
     if config.http_port is not None:
-        app = create_app(pipeline, lambda: health.serving, keys)
+        app = create_app(pipeline, lambda: health.serving, keys, config.stream_send_timeout)
         add_metrics_route(app, registry, pipeline.model.name, client.stats)
         if telemetry is not None:
             # NOTE: no spans for each ASGI send/receive (one per streamed chunk), nor for probes and scrapes.

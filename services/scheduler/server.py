@@ -22,6 +22,7 @@ from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
 from services.common.logs import configure_logging
 from services.common.metrics import EngineStatsCollector, serve_metrics, service_registry
+from services.common.request_scope import check_tenant, scoped_request_id
 from services.common.signals import ignore_late_signals, shutdown_event
 from services.common.telemetry import Telemetry, setup_tracing
 from services.common.timeutil import now_ns
@@ -59,7 +60,7 @@ class _Stream:
         self.queue: asyncio.Queue[scheduler_pb2.SubmitResponse] = asyncio.Queue()
         self.timestamps = timestamps
         self.trace = trace
-        self.owner = owner  # the tenant that submitted it: only it may abort it
+        self.owner = owner  # the tenant that submitted it: its request ids are scoped by it
         self.span = span
 
 
@@ -76,6 +77,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.telemetry = telemetry
         self.loop = asyncio.get_running_loop()
         self.engine = EngineLoop(config, self._publish_threadsafe, self._on_ready_threadsafe, telemetry, registry)
+        # NOTE: keyed by the scoped id (tenant/request_id), which is also the engine's request id: two tenants'
+        # equal ids are two requests, and an id never answers for another tenant's request.
         self.streams: dict[str, _Stream] = {}
         self.ready = False
         self.draining = False
@@ -140,7 +143,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         rid = request.request_id
         if not rid:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
-        if rid in self.streams:
+        try:
+            check_tenant(request.owner)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        scoped = scoped_request_id(request.owner, rid)
+        if scoped in self.streams:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use")
         if len(self.streams) >= self.config.max_num_seqs + self.config.max_waiting_requests:
             await context.abort(
@@ -162,7 +170,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return Request(
-            request_id=rid,
+            request_id=scoped,
             prompt_token_ids=list(request.prompt_token_ids),
             sampling_params=params,
             priority=request.priority,
@@ -174,7 +182,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
         engine_request = await self._validate(request, context)
-        rid = engine_request.request_id
+        rid = engine_request.request_id  # scoped: tenant/request_id
         ts = common_pb2.RequestTimestamps()
         ts.CopyFrom(request.timestamps)
         ts.queued_ns = now_ns()
@@ -213,18 +221,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
     ) -> common_pb2.AbortResponse:
-        stream = self.streams.get(request.request_id)
-        # NOTE: another tenant's request answers found=False, exactly like an unknown id (nothing is revealed).
-        found = stream is not None and stream.owner == request.owner
-        if found:
-            assert stream is not None
+        # NOTE: looked up in the caller's scope: another tenant's request is an unknown id (nothing is revealed).
+        stream = self.streams.get(scoped_request_id(request.owner, request.request_id))
+        if stream is not None:
             self.engine.abort(stream.request)
-        return common_pb2.AbortResponse(found=found)
+        return common_pb2.AbortResponse(found=stream is not None)
 
     async def FinishChoice(
         self, request: scheduler_pb2.FinishChoiceRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.FinishChoiceResponse:
-        stream = self.streams.get(request.request_id)
+        stream = self.streams.get(scoped_request_id(request.owner, request.request_id))
         if stream is not None:
             self.engine.finish_choice(stream.request, request.index, request.stop)
         return scheduler_pb2.FinishChoiceResponse()

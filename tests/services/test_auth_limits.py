@@ -7,12 +7,14 @@ from pathlib import Path
 import pytest
 
 from engine_core.sampling_params import SamplingParams
+from services.common.request_scope import check_tenant, scoped_request_id
 from services.common.tls import TlsFiles
 from services.convert.ranges import INT64_MAX, check_wire_ranges
 from services.frontend.auth import ANONYMOUS, ApiKeys, read_keys, tenant_of
 from services.frontend.config import parse_frontend_args
 from services.frontend.limits import ApiLimits
 from services.frontend.request import ErrorCode, RequestError
+from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT
 
 
 def test_open_api_without_keys() -> None:
@@ -64,6 +66,23 @@ def test_frontend_security_defaults() -> None:
     assert c.drain_timeout == 20.0 and c.tls == TlsFiles()
     with pytest.raises(SystemExit):  # isolation per key needs keys
         parse_frontend_args(["--prefix-cache-isolation", "api-key"])
+
+
+def test_stream_send_timeout_flag() -> None:
+    assert parse_frontend_args([]).stream_send_timeout == DEFAULT_STREAM_SEND_TIMEOUT
+    assert parse_frontend_args(["--stream-send-timeout", "2.5"]).stream_send_timeout == 2.5
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(SystemExit):
+            parse_frontend_args(["--stream-send-timeout", bad])
+
+
+def test_scoped_request_ids_never_collide_across_tenants() -> None:
+    # A tenant never holds the separator, so no (tenant, id) pair can spell another pair's scoped id.
+    assert scoped_request_id("key-a", "x") != scoped_request_id("", "key-a/x")
+    assert scoped_request_id("", "a/b") != scoped_request_id("a", "b")
+    check_tenant(tenant_of("any key"))
+    with pytest.raises(ValueError, match="owner"):
+        check_tenant("a/b")
 
 
 WIRE_CASES: list[tuple[dict[str, object], str]] = [
