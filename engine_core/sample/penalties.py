@@ -11,10 +11,18 @@ import torch
 from engine_core.sample.logits_processor import BatchUpdate, BoundProcessor, LogitsProcessor
 from engine_core.sampling_params import SamplingParams
 
-# NOTE: a repetition penalty near 0 divides a positive logit towards +inf (1e-30 is a valid penalty), and +inf makes
-# softmax NaN. Penalised logits are capped here instead: divided by the smallest temperature (GREEDY_EPS = 1e-5),
-# 1e30 stays finite in float32 (max ~3.4e38). A cap that high never changes a finite, sane logit.
+# NOTE: the repetition penalty is applied clamped to this range (any value > 0 is accepted, as in vLLM): 1e-40 would
+# divide a logit to +inf and 1e38 multiply one to -inf, which leaves NaN or nothing to sample. At 1e4 a seen token is
+# already ~e^-1e4 less likely, so the clamp changes no meaningful output.
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+# NOTE: and penalised logits are capped: divided by the smallest temperature (GREEDY_EPS = 1e-5), 1e30 stays finite in
+# float32 (max ~3.4e38), even when the model's own logits are huge.
 PENALISED_LOGIT_MAX = 1e30
+
+
+def applied_repetition_penalty(value: float) -> float:
+    low, high = REPETITION_PENALTY_RANGE
+    return min(max(value, low), high)
 
 
 @dataclass
@@ -110,7 +118,9 @@ class PenaltiesProcessor(LogitsProcessor):
         dev = self.device
         return BoundPenalties(
             PenaltyState(
-                repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev),
+                repetition=torch.tensor(
+                    [applied_repetition_penalty(p.repetition_penalty) for p in params], dtype=torch.float32, device=dev
+                ),
                 frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=dev),
                 presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=dev),
                 rows=torch.tensor([0 if e is None else e[0] for e in entries], dtype=torch.int64, device=dev),
