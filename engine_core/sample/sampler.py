@@ -109,7 +109,8 @@ def random_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 def fail_unsampleable(tokens: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     """FAILED_TOKEN where a row's maximum logit is not finite: NaN somewhere, +inf, or every token masked (-inf)."""
-    return tokens.masked_fill_(~torch.isfinite(row_max), FAILED_TOKEN)
+    # NOTE: two small [rows] ops and no device sync; the host learns of a failed row with the tokens.
+    return torch.where(torch.isfinite(row_max), tokens, FAILED_TOKEN)
 
 
 class Sampler:
