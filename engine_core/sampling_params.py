@@ -168,6 +168,15 @@ class SamplingParams:
             for tok in ids:
                 if not _is_int(tok) or not 0 <= tok < vocab_size:
                     raise ValueError(f"{name} contains token id {tok}, outside the vocabulary (size {vocab_size})")
+        if self.allowed_token_ids:
+            # NOTE: a request whose every allowed token is always masked could never sample: refused here rather than
+            # failed by the sampler. (A multi-token bad word can still mask every allowed token at some step; that
+            # row then fails alone, docs/reliability.md.)
+            banned = {seq[0] for seq in self.bad_words_token_ids or [] if len(seq) == 1}
+            if self.min_tokens > 0:
+                banned |= self.all_stop_token_ids
+            if banned.issuperset(self.allowed_token_ids):
+                raise ValueError("allowed_token_ids are all banned by bad_words or, before min_tokens, stop tokens")
 
     @property
     def greedy(self) -> bool:

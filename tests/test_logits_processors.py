@@ -98,10 +98,11 @@ def test_a_row_with_every_token_masked_fails_alone() -> None:
     logits = torch.randn(3, vocab)
     params = [
         SamplingParams(temperature=0.0),
-        SamplingParams(allowed_token_ids=[5], bad_words_token_ids=[[5]]),  # nothing left to sample
-        SamplingParams(temperature=0.0, allowed_token_ids=[5], bad_words_token_ids=[[5]]),
+        # after an output of 5, a bad word "5 5" leaves nothing of allowed_token_ids [5]
+        SamplingParams(allowed_token_ids=[5], bad_words_token_ids=[[5, 5]]),
+        SamplingParams(temperature=0.0, allowed_token_ids=[5], bad_words_token_ids=[[5, 5]]),
     ]
-    out = step(batch_of(vocab, params), [0, 1, 2], logits).sampled_token_ids.tolist()
+    out = step(batch_of(vocab, params, outputs=[[], [5], [5]]), [0, 1, 2], logits).sampled_token_ids.tolist()
     assert out == [int(logits[0].argmax()), FAILED_TOKEN, FAILED_TOKEN]
 
 

@@ -78,13 +78,14 @@ def assert_neighbours_unaffected(outputs: dict[str, list[SeqOutput]], alone: dic
 
 def test_a_request_with_nothing_left_to_sample_fails_alone(tiny_dir: Path, alone: dict) -> None:
     core, runner = make_core(tiny_dir)
-    # allowed_token_ids and bad_words that leave no token: the row's logits are all -inf
-    bad = SamplingParams(max_tokens=5, allowed_token_ids=[5], bad_words_token_ids=[[5]], n=2)
+    # allowed_token_ids and a bad word "5 5": after the first 5 no token is left, the row's logits all -inf
+    bad = SamplingParams(max_tokens=5, allowed_token_ids=[5], bad_words_token_ids=[[5, 5]], n=2)
+    bad.validate_vocab(128)  # not refusable up front: the first token is fine
     outputs = run(core, [*neighbours(), Request("masked", [MARK, 4, 4], bad)])
     assert_neighbours_unaffected(outputs, alone)
     assert finish(outputs["masked"]) == {0: FinishReason.ERROR, 1: FinishReason.ERROR}
     assert any("no token can be sampled" in out.error for out in outputs["masked"])
-    assert tokens(outputs["masked"]) == {0: [], 1: []}
+    assert tokens(outputs["masked"]) == {0: [5], 1: [5]}
     assert core.stats().free_blocks == BLOCKS  # every block back
     assert core.step() == [] and len(runner.sampling) == 0  # and the worker told to forget the rows
 

@@ -134,5 +134,14 @@ def test_every_token_id_that_reaches_the_sampler_is_checked_against_the_vocabula
             params.validate_vocab(10)
     with pytest.raises(ValueError, match=r"^eos_token_id"):
         with_eos(SamplingParams(), 10, 10)
+    # a request that could never sample a token is refused up front
+    for params in (
+        SamplingParams(allowed_token_ids=[4], bad_words_token_ids=[[4], [5, 6]]),
+        SamplingParams(allowed_token_ids=[2, 7], stop_token_ids=[7], min_tokens=1, eos_token_id=2),
+    ):
+        with pytest.raises(ValueError, match=r"^allowed_token_ids"):
+            params.validate_vocab(10)
+    SamplingParams(allowed_token_ids=[4], bad_words_token_ids=[[4, 4]]).validate_vocab(10)  # fine at first
+    SamplingParams(allowed_token_ids=[2, 7], stop_token_ids=[7], eos_token_id=2).validate_vocab(10)
     copy = with_eos(SamplingParams(bad_words=["x"]), 2, 10, [[4, 5]])
     assert copy.eos_token_id == 2 and copy.bad_words_token_ids == [[4, 5]]

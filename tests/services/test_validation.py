@@ -60,6 +60,7 @@ BAD_REQUESTS: list[tuple[str, generation_pb2.GenerateRequest, str]] = [
     ("allowed token negative", _req(allowed_token_ids=[-1]), "allowed_token_ids"),
     ("too many bad words", _req(bad_words=["w"] * 129), "bad_words"),
     ("blank bad word", _req(bad_words=[" "]), "bad_words"),
+    ("every allowed token a bad word", _req(allowed_token_ids=[28], bad_words=[","]), "allowed_token_ids"),
     ("bad word ids set by the client", _req(bad_words_token_ids=[common_pb2.TokenIdSequence(token_ids=[1])]),
      "bad_words_token_ids"),
 ]  # fmt: skip
@@ -151,9 +152,10 @@ def test_a_request_with_nothing_left_to_sample_fails_alone_with_internal(client:
     got: list[int] = []
     while not got:
         got += [t for choice in next(neighbour).choices for t in choice.token_ids]
-    comma = client.stub.Tokenize(generation_pb2.TokenizeRequest(text=",")).token_ids[-1]
+    seven = client.stub.Tokenize(generation_pb2.TokenizeRequest(text="7")).token_ids[-1]
+    # only "7" is allowed and "77" is a bad word ("7" "7"): after the first 7 nothing is left to sample
     with pytest.raises(grpc.RpcError) as info:
-        list(client.stream(text_request("Hi", max_tokens=4, allowed_token_ids=[comma], bad_words=[","])))
+        list(client.stream(text_request("Hi", max_tokens=4, allowed_token_ids=[seven], bad_words=["77"])))
     assert info.value.code() == grpc.StatusCode.INTERNAL, info.value.details()
     assert "no token can be sampled" in info.value.details()
     for msg in neighbour:
