@@ -37,7 +37,11 @@ int32 = st.one_of(st.sampled_from([INT32_MIN, -2, -1, 0, 1, 2, 3, 16, INT32_MAX]
 int64 = st.one_of(st.sampled_from([INT64_MIN, -1, 0, 1, INT64_MAX - 1, INT64_MAX]), st.integers(INT64_MIN, INT64_MAX))
 # NOTE: proto strings are UTF-8: no lone surrogates; control characters, NUL and astral planes are all fair game.
 text = st.text(st.characters(exclude_categories=("Cs",)), max_size=64)
-doubles = st.one_of(st.floats(), st.sampled_from([0.0, -0.0, 1e-9, 1.0, 2.0, 1e308, float("nan"), float("inf")]))
+# NOTE: float32 edges too: subnormals (1e-40), values that round to 0 (1e-46, 1e-300) or overflow (3.5e38, 1e39).
+float32_edges = [1e-40, 1.4e-45, 1e-46, 1e-300, 1.1754944e-38, 3.4028235e38, 3.5e38, 1e39]
+doubles = st.one_of(
+    st.floats(), st.sampled_from([0.0, -0.0, 1e-9, 1.0, 2.0, 1e308, float("nan"), float("inf"), *float32_edges])
+)
 
 
 def _maybe(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
@@ -70,6 +74,8 @@ def sampling_options(draw: st.DrawFn) -> common_pb2.SamplingOptions:
         opts.logit_bias[tok] = bias
     if draw(st.integers(0, 9)) == 0:
         opts.eos_token_id = draw(int32)
+    opts.allowed_token_ids.extend(draw(st.lists(st.one_of(int32, st.integers(0, 1000)), max_size=8)))
+    opts.bad_words.extend(draw(st.lists(text, max_size=4)))
     return opts
 
 
