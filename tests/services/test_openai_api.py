@@ -128,6 +128,14 @@ def test_vllm_sampling_extensions_and_float32_limits(oai: openai.OpenAI) -> None
         with pytest.raises(openai.BadRequestError) as info:
             oai.completions.create(model=MODEL, prompt="Hi", max_tokens=3, extra_body=body)
         assert info.value.body["param"] == field, info.value.body  # type: ignore[index]
+    # a request the sampler cannot continue ("7" allowed, "77" banned) fails alone: a 500 with OpenAI's error object
+    sevens = oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"allowed_token_ids": [39]})
+    assert sevens.choices[0].text == "77"  # token 39 is "7"
+    with pytest.raises(openai.InternalServerError) as error:
+        oai.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=4, extra_body={"allowed_token_ids": [39], "bad_words": ["77"]}
+        )
+    assert "no token can be sampled" in error.value.body["message"]  # type: ignore[index]
 
 
 def test_dropped_sse_connection_aborts_the_request(
