@@ -115,6 +115,9 @@ def test_non_finite_logits_fail_their_row_not_the_step() -> None:
     out = SAMPLER(logits, batch_of(vocab, params).metadata([0, 1, 2, 3])).sampled_token_ids.tolist()
     assert out[1] == out[2] == FAILED_TOKEN
     assert 0 <= out[0] < vocab and out[3] == int(logits[3].argmax())
+    # an all-random step (no greedy row maximum) catches them too
+    out = SAMPLER(logits[:3], batch_of(vocab, params[:3]).metadata([0, 1, 2])).sampled_token_ids.tolist()
+    assert out[1] == out[2] == FAILED_TOKEN and 0 <= out[0] < vocab
     # top-p over a NaN row keeps at least one candidate instead of indexing -1
     nan_row = torch.full((1, vocab), float("nan"))
     apply_top_p(nan_row, torch.tensor([0.5]))

@@ -6,8 +6,8 @@ top-k/top-p -> random sampling by an exponential race. A stage runs only when so
 is not None, the processor is bound).
 
 A row that cannot be sampled (its logits NaN or +inf, or every token masked) gets token -1 instead of an arbitrary
-token: the runner fails that request alone (docs/reliability.md). The check is the row maximum, which the greedy pick
-computes anyway, so it costs one reduction only on all-random steps.
+token: the runner fails that request alone (docs/reliability.md). Greedy rows are checked by their row maximum, which
+the greedy pick computes anyway; random rows by the race's winning value: no extra pass over the vocabulary.
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 
 def random_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """argmax(probs / E) with E ~ Exp(1) i.i.d. draws a token with probability probs (the exponential race)."""
+    """argmax(probs / E) with E ~ Exp(1) i.i.d. draws a token with probability probs (the exponential race).
+    `probs` is divided by E in place."""
     # NOTE: E = -log(U) from uniform draws rather than exponential_(), which is ~3x slower on CPU. E is clamped
     # above 0 so that probs / E is never 0/0 = NaN, which argmax would pick (a masked token could win).
     noise = torch.empty_like(probs)
@@ -138,8 +139,11 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)
         for processor in processors:
             logits = processor.apply(logits)
-        row_max, greedy = logits.max(dim=-1)
+        row_max = greedy = None
+        if not meta.all_random:
+            row_max, greedy = logits.max(dim=-1)
         if meta.all_greedy:
+            assert row_max is not None and greedy is not None
             return fail_unsampleable(greedy, row_max)
         assert meta.temperature is not None
         logits = logits.div_(meta.temperature.unsqueeze(1))
@@ -149,8 +153,13 @@ class Sampler:
             logits = apply_top_k(logits, meta.top_k, meta.max_top_k)
         if meta.top_p is not None:
             logits = apply_top_p(logits, meta.top_p)
-        tokens = random_sample(torch.softmax(logits, dim=-1), meta)
-        if not meta.all_random:
-            assert meta.is_greedy is not None
-            tokens = torch.where(meta.is_greedy, greedy, tokens)
-        return fail_unsampleable(tokens, row_max)
+        raced = torch.softmax(logits, dim=-1)
+        tokens = random_sample(raced, meta)  # `raced` now holds probs / E
+        # NOTE: a random row failed when its winner's probs / E is not > 0: NaN (NaN or +inf logits, every token
+        # masked) or 0. A [rows] gather, where a row maximum would cost an all-random step a pass over the vocabulary.
+        sampled = raced.gather(1, tokens.unsqueeze(1)).squeeze(1) > 0
+        if greedy is None:
+            return torch.where(sampled, tokens, FAILED_TOKEN)
+        assert meta.is_greedy is not None and row_max is not None
+        tokens = torch.where(meta.is_greedy, greedy, tokens)
+        return torch.where(torch.isfinite(row_max) & (meta.is_greedy | sampled), tokens, FAILED_TOKEN)
