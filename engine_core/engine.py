@@ -201,6 +201,7 @@ class EngineCore:
                 prompt_logprobs_start=plp.start,
                 num_cached_tokens=max(seq.num_cached_tokens, 0),
             )
+        failed: list[Request] = []
         for upd in self.scheduler.update(result):
             seq = upd.seq
             out = outputs.get(seq.seq_id) or SeqOutput(
@@ -208,8 +209,18 @@ class EngineCore:
             )
             out.new_token_ids = upd.new_token_ids
             k = seq.request.sampling_params.logprobs
-            if k is not None and result.logprobs is not None:
+            if k is not None and result.logprobs is not None and not upd.error:
                 out.new_logprobs = tensor_rows(result.logprobs, [upd.row], k)
             out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+            if upd.error:
+                out.error = upd.error
+                failed.append(seq.request)
             outputs[seq.seq_id] = out
-        return list(outputs.values())
+        ended = list(outputs.values())
+        for request in failed:
+            # NOTE: a request fails as a whole: its other choices (never-forked ones included) end with ERROR too.
+            for seq in request.seqs:
+                self.scheduler.finish_seq(seq, FinishReason.ERROR)
+            reported = {o.index for o in ended if o.request_id == request.request_id}
+            ended += [o for o in ending_outputs(request, FinishReason.ERROR) if o.index not in reported]
+        return ended

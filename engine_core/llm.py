@@ -14,6 +14,7 @@ from engine_core.config import EngineConfig
 from engine_core.core.prompt_checks import check_token_ids
 from engine_core.core.request import FinishReason, Request
 from engine_core.engine import EngineCore
+from engine_core.io.bad_words import bad_words_token_ids
 from engine_core.io.output_processor import OutputProcessor
 from engine_core.io.request_output import RequestMetrics, RequestOutput
 from engine_core.io.tokenizer import Tokenizer, hf_tokenizer, load_tokenizer
@@ -95,7 +96,9 @@ class LLM:
             for i, (prompt, params) in enumerate(zip(prompt_list, params_list, strict=True)):
                 text, token_ids = self._tokenize(prompt)
                 request_id = str(next(self._ids))
-                params = with_eos(params, self.engine.eos_token_id, self.engine.runner.info.vocab_size)
+                params = with_eos(
+                    params, self.engine.eos_token_id, self.engine.runner.info.vocab_size, self._bad_words(params)
+                )
                 prio = priority[i] if priority else 0
                 request = Request(request_id, token_ids, params, priority=prio, cache_salt=cache_salt, prompt=text)
                 self.core.add_request(request)
@@ -128,6 +131,11 @@ class LLM:
         self, messages: ChatMessages, add_generation_prompt: bool = True, content_special_tokens: bool = False
     ) -> list[int]:
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt, content_special_tokens)
+
+    def _bad_words(self, params: SamplingParams) -> list[list[int]] | None:
+        if not params.bad_words:
+            return None
+        return bad_words_token_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False), params.bad_words)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -87,7 +87,10 @@ class ModelRunnerOutput:
     """What the worker returns: one sampled token per sequence that reached the end of its known tokens."""
 
     seq_ids: list[int] = field(default_factory=list)
-    sampled_token_ids: list[int] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)  # -1 where the row failed (see `errors`)
     # Rows aligned with seq_ids, k = the largest `logprobs` asked in the batch; None when nobody asked.
     logprobs: LogprobsTensors | None = None
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
+    # Rows that failed alone (their sampling or a logits processor raised, or no token could be sampled): seq_id ->
+    # message. The scheduler ends those sequences with an error; the step's other rows are unaffected.
+    errors: dict[int, str] = field(default_factory=dict)

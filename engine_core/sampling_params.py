@@ -5,11 +5,25 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import struct
 from dataclasses import dataclass, field
 
 # NOTE: temperatures below this are treated as greedy, as in vLLM: dividing logits by ~0 overflows.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
+# Bounds on the list fields, checked before any tokenizing or tensor building (every entry point shares them).
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 256
+MAX_BAD_WORD_TOKENS = 64  # per tokenized bad word
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # larger than any vocabulary served; ids are also checked against the model's
+
+
+def _float32(value: float) -> float:
+    """The value as the sampler stores it (float32, rounded to nearest); inf where float32 overflows."""
+    try:
+        return struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:
+        return math.inf
 
 
 def _is_int(value: object) -> bool:
@@ -42,8 +56,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # number of top alternatives per sampled token (the sampled one is always included)
     prompt_logprobs: int | None = None
-    # Filled by the engine, not the user: the eos id of the tokenizer (ignored when ignore_eos).
+    # Words the output must not contain (each banned with and without a leading space, as in vLLM) and, when set,
+    # the only tokens a step may sample.
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    # Filled by the engine, not the user: the eos id of the tokenizer (ignored when ignore_eos), and the bad words as
+    # token-id sequences (io/bad_words.py), which is the form the sampler uses.
     eos_token_id: int | None = field(default=None, repr=False)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,18 +79,23 @@ class SamplingParams:
         if not _is_int(self.n) or self.n < 1:
             raise bad("n", f"must be an integer >= 1, got {self.n!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
-            if not _is_number(getattr(self, name)):
-                raise bad(name, f"must be a finite number, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            # NOTE: the sampler works in float32: a value must stay finite there (1e39 is not).
+            if not _is_number(value) or not math.isfinite(_float32(value)):
+                raise bad(name, f"must be a finite number (in float32), got {value!r}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        # NOTE: > 0 in float32, not only in float64: 1e-300 becomes 0.0 there, which would keep no token at all.
+        if not 0 < self.top_p <= 1 or _float32(self.top_p) == 0:
+            raise bad("top_p", f"must be in (0, 1] (and not round to 0 in float32), got {self.top_p}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", f"must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.repetition_penalty <= 0 or _float32(self.repetition_penalty) == 0:
+            raise bad(
+                "repetition_penalty", f"must be > 0 (and not round to 0 in float32), got {self.repetition_penalty}"
+            )
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
         if not -2 <= self.presence_penalty <= 2:
@@ -97,6 +122,7 @@ class SamplingParams:
                     raise bad("logit_bias", f"keys must be non-negative token ids, got {tok!r}")
                 if not _is_number(bias) or not -100 <= bias <= 100:
                     raise bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
+        self._validate_token_lists()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -104,12 +130,53 @@ class SamplingParams:
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
 
+    def _validate_token_lists(self) -> None:
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+                raise ValueError(f"bad_words must be a list of strings, got {type(words).__name__}")
+            if len(words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words has {len(words)} words; at most {MAX_BAD_WORDS} are allowed")
+            if any(not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
+                raise ValueError(f"bad_words must be non-blank strings of at most {MAX_BAD_WORD_CHARS} characters")
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids must be a list of non-negative integers, got {ids!r:.80}")
+            if not ids or len(ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids must hold 1 to {MAX_ALLOWED_TOKEN_IDS} ids, got {len(ids)}")
+        seqs = self.bad_words_token_ids
+        if seqs is not None:
+            if len(seqs) > 2 * MAX_BAD_WORDS:  # each word with and without a leading space
+                raise ValueError(f"bad_words_token_ids has {len(seqs)} sequences; at most {2 * MAX_BAD_WORDS}")
+            for seq in seqs:
+                if not isinstance(seq, list) or not 1 <= len(seq) <= MAX_BAD_WORD_TOKENS:
+                    raise ValueError(f"bad_words_token_ids sequences must hold 1 to {MAX_BAD_WORD_TOKENS} token ids")
+                if not all(_is_int(t) and t >= 0 for t in seq):
+                    raise ValueError(f"bad_words_token_ids must hold non-negative token ids, got {seq!r:.80}")
+
     def validate_vocab(self, vocab_size: int) -> None:
-        """Checks that need the model: token ids must exist in the vocabulary."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids or []), ("logit_bias", list(self.logit_bias or {}))):
+        """Checks that need the model: every token id that reaches the sampler must exist in the vocabulary."""
+        fields = (
+            ("stop_token_ids", self.stop_token_ids or []),
+            ("logit_bias", list(self.logit_bias or {})),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+            ("bad_words", [t for seq in self.bad_words_token_ids or [] for t in seq]),
+            ("eos_token_id", [] if self.eos_token_id is None else [self.eos_token_id]),
+        )
+        for name, ids in fields:
             for tok in ids:
-                if tok >= vocab_size:
+                if not _is_int(tok) or not 0 <= tok < vocab_size:
                     raise ValueError(f"{name} contains token id {tok}, outside the vocabulary (size {vocab_size})")
+        if self.allowed_token_ids:
+            # NOTE: a request whose every allowed token is always masked could never sample: refused here rather than
+            # failed by the sampler. (A multi-token bad word can still mask every allowed token at some step; that
+            # row then fails alone, docs/reliability.md.)
+            banned = {seq[0] for seq in self.bad_words_token_ids or [] if len(seq) == 1}
+            if self.min_tokens > 0:
+                banned |= self.all_stop_token_ids
+            if banned.issuperset(self.allowed_token_ids):
+                raise ValueError("allowed_token_ids are all banned by bad_words or, before min_tokens, stop tokens")
 
     @property
     def greedy(self) -> bool:
@@ -123,7 +190,14 @@ class SamplingParams:
         return ids
 
 
-def with_eos(params: SamplingParams, eos_token_id: int | None, vocab_size: int) -> SamplingParams:
-    """A copy of the user's params that knows the model's EOS id (the user's object is left untouched)."""
-    params.validate_vocab(vocab_size)
-    return dataclasses.replace(params, eos_token_id=eos_token_id)
+def with_eos(
+    params: SamplingParams,
+    eos_token_id: int | None,
+    vocab_size: int,
+    bad_words_token_ids: list[list[int]] | None = None,
+) -> SamplingParams:
+    """A copy of the user's params that knows the model's EOS id and its bad words as token ids (the user's object
+    is left untouched). Raises ValueError naming the field when a token id is outside the vocabulary."""
+    copy = dataclasses.replace(params, eos_token_id=eos_token_id, bad_words_token_ids=bad_words_token_ids)
+    copy.validate_vocab(vocab_size)
+    return copy

@@ -124,6 +124,30 @@ def test_length_and_prompt_errors(llm: LLM) -> None:
     assert_pool_whole(llm)
 
 
+def test_bad_words_allowed_token_ids_and_a_request_that_fails_alone(llm: LLM) -> None:
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate("The capital of France is", greedy, use_tqdm=False)[0].outputs[0]
+    word = plain.text.split()[0]
+    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, bad_words=[word])
+    comma = llm.tokenizer.encode(",", add_special_tokens=False)[-1]
+    allowed = SamplingParams(max_tokens=4, ignore_eos=True, allowed_token_ids=[comma])
+    seven = llm.tokenizer.encode("7", add_special_tokens=False)[-1]
+    # only "7" allowed, "77" banned: after the first 7 every token is masked, and this request alone fails
+    nothing = SamplingParams(max_tokens=4, allowed_token_ids=[seven], bad_words=["77"])
+    outs = llm.generate(["The capital of France is"] * 4, [greedy, banned, allowed, nothing], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == plain.token_ids  # its neighbours change nothing
+    assert word not in outs[1].outputs[0].text.split()
+    assert outs[2].outputs[0].token_ids == [comma] * 4
+    assert outs[3].outputs[0].finish_reason == "error" and outs[3].outputs[0].token_ids == [seven]
+    for refused in (
+        SamplingParams(allowed_token_ids=[10**7]),
+        SamplingParams(allowed_token_ids=[comma], bad_words=[","]),
+    ):
+        with pytest.raises(ValueError, match=r"^allowed_token_ids"):
+            llm.generate("Hi", refused, use_tqdm=False)
+    assert_pool_whole(llm)
+
+
 def test_outputs_carry_timings(llm: LLM) -> None:
     out = llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     m = out.metrics

@@ -9,15 +9,9 @@ from collections import Counter
 import pytest
 import torch
 
-from engine_core.sample.sampler import (
-    TOP_P_CANDIDATES,
-    Sampler,
-    SamplerOutput,
-    apply_penalties,
-    apply_top_p,
-    compute_logprobs,
-)
-from engine_core.sample.sampling_batch import SamplingBatch
+from engine_core.sample.penalties import BoundPenalties, PenaltyState, apply_penalties
+from engine_core.sample.sampler import TOP_P_CANDIDATES, Sampler, SamplerOutput, apply_top_p, compute_logprobs
+from engine_core.sample.sampling_batch import SamplingBatch, SamplingMetadata
 from engine_core.sampling_params import SamplingParams
 
 SAMPLER = Sampler()
@@ -27,6 +21,12 @@ def step(batch: SamplingBatch, seq_ids: list[int], logits: torch.Tensor) -> Samp
     out = SAMPLER(logits, batch.metadata(seq_ids))
     batch.append_tokens(seq_ids, out.sampled_token_ids)
     return out
+
+
+def penalty_state(meta: SamplingMetadata) -> PenaltyState:
+    bound = [p for p in meta.processors if isinstance(p, BoundPenalties)]
+    assert len(bound) == 1
+    return bound[0].state
 
 
 def batch_of(vocab: int, params: list[SamplingParams], seeds: list[int | None] | None = None) -> SamplingBatch:
@@ -283,8 +283,7 @@ def test_penalties_match_a_per_row_reference() -> None:
     for _ in range(6):
         logits = torch.randn(len(seq_ids), vocab) * 3
         meta = batch.metadata(seq_ids)
-        assert meta.penalties is not None
-        got = apply_penalties(logits.clone(), meta.penalties)
+        got = apply_penalties(logits.clone(), penalty_state(meta))
         for row, s in enumerate(seq_ids):
             expected = reference_penalties(logits[row], params[s], prompts[s], outputs[s])
             torch.testing.assert_close(got[row], expected, rtol=0, atol=1e-5)
@@ -303,9 +302,7 @@ def test_penalty_state_survives_growth_of_its_tensors() -> None:
     batch.append_tokens([0], torch.tensor([6]))
     for s in range(1, 4):  # each add may reallocate the count tensors
         batch.add(s, SamplingParams(temperature=0.0, presence_penalty=1.0), None, [], [])
-    meta = batch.metadata([0])
-    assert meta.penalties is not None
-    got = apply_penalties(torch.zeros(1, 16), meta.penalties)[0]
+    got = apply_penalties(torch.zeros(1, 16), penalty_state(batch.metadata([0])))[0]
     assert got[5] == -2.0 and got[6] == -1.0 and got[7] == 0.0
 
 

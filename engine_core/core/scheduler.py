@@ -29,6 +29,7 @@ class SequenceUpdate:
     seq: Sequence
     new_token_ids: list[int]
     row: int
+    error: str = ""  # the row failed alone (ModelRunnerOutput.errors): the sequence ended with FinishReason.ERROR
 
 
 class Scheduler:
@@ -330,6 +331,13 @@ class Scheduler:
             if seq is None or seq.is_finished or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted while the step ran, or stopped in the step before
             seq.num_pending -= 1
+            error = runner_out.errors.get(seq_id)
+            if error is not None:
+                # NOTE: this sequence alone ends (its blocks freed, the worker told to forget it); the step's other
+                # rows go on. Its request's other choices are ended by the engine (EngineCore.process).
+                updates.append(SequenceUpdate(seq, [], row, error))
+                self.finish_seq(seq, FinishReason.ERROR)
+                continue
             seq.token_ids.append(token)
             if seq.request.timings.first_token is None:
                 seq.request.timings.first_token = now

@@ -28,6 +28,7 @@ class SeqOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    error: str = ""  # with finish_reason ERROR: why this choice (and so its request) failed
 
 
 def tensor_rows(tensors: LogprobsTensors, rows: list[int] | slice, k: int) -> list[TokenLogprobs]:

@@ -1,8 +1,13 @@
 """The sampler: turns one step's logits into tokens (and logprobs), vectorised over rows with per-row parameters.
 
-Stage order follows vLLM V1: logprobs of the raw logits -> fp32 -> min_tokens and logit_bias -> penalties ->
-greedy argmax -> temperature -> min-p -> top-k/top-p -> random sampling by an exponential race. A stage runs only
-when some row needs it (its metadata field is not None).
+Stage order follows vLLM V1: logprobs of the raw logits -> fp32 -> the logits processors (allowed_token_ids,
+bad_words, min_tokens, logit_bias, penalties: logits_processor.py) -> greedy argmax -> temperature -> min-p ->
+top-k/top-p -> random sampling by an exponential race. A stage runs only when some row needs it (its metadata field
+is not None, the processor is bound).
+
+A row that cannot be sampled (its logits NaN or +inf, or every token masked) gets token -1 instead of an arbitrary
+token: the runner fails that request alone (docs/reliability.md). Greedy rows are checked by their row maximum, which
+the greedy pick computes anyway; random rows by the race's winning value: no extra pass over the vocabulary.
 """
 
 from __future__ import annotations
@@ -12,15 +17,19 @@ from dataclasses import dataclass
 import torch
 
 from engine_core.plan import LogprobsTensors
-from engine_core.sample.sampling_batch import LogitBias, MinTokensState, PenaltyState, SamplingMetadata
+from engine_core.sample.sampling_batch import SamplingMetadata
 
 # Candidates searched for the top-p nucleus before falling back to the whole vocabulary (see apply_top_p).
 TOP_P_CANDIDATES = 256
 
 
+# The token of a row that could not be sampled.
+FAILED_TOKEN = -1
+
+
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [rows] int64
+    sampled_token_ids: torch.Tensor  # [rows] int64; FAILED_TOKEN where the row could not be sampled
     logprobs: LogprobsTensors | None  # of the raw logits, k = the largest `logprobs` asked; None when none asked
 
 
@@ -45,36 +54,6 @@ def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> L
 
 
 # ---- stages (each takes and returns fp32 logits [rows, vocab]; may modify them in place) ----------------------------
-def apply_min_tokens(logits: torch.Tensor, state: MinTokensState, slots: torch.Tensor) -> torch.Tensor:
-    """Masks the stop tokens of rows whose output is still shorter than their min_tokens."""
-    active = state.output_lens[slots] < state.min_tokens  # [rows]
-    current = logits[state.pair_rows, state.pair_token_ids]
-    # NOTE: a where() over the pairs instead of boolean indexing: no device sync, the same kernels every step.
-    masked = torch.where(active[state.pair_rows], torch.full_like(current, float("-inf")), current)
-    logits[state.pair_rows, state.pair_token_ids] = masked
-    return logits
-
-
-def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
-    logits.index_put_((bias.rows, bias.token_ids), bias.values, accumulate=True)
-    return logits
-
-
-def apply_penalties(logits: torch.Tensor, state: PenaltyState) -> torch.Tensor:
-    # NOTE: row gathers use indexing, not index_select, which is ~10x slower on CPU for int32 rows this wide.
-    counts = state.output_counts[state.rows]  # [rows, vocab] int32
-    if state.any_repetition:
-        seen = state.prompt_mask[state.rows] | (counts > 0)
-        rep = state.repetition.unsqueeze(1)
-        # HF semantics: a seen token's logit moves toward "less likely" whatever its sign.
-        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    if state.any_frequency:
-        logits = logits - state.frequency.unsqueeze(1) * counts
-    if state.any_presence:
-        logits = logits - state.presence.unsqueeze(1) * (counts > 0)
-    return logits
-
-
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drops tokens less likely than min_p times the most likely token (after temperature)."""
     probs = torch.softmax(logits, dim=-1)
@@ -108,13 +87,15 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         # NOTE: deciding on the fallback reads one bool back from the device, a sync only top-p batches pay.
         if k == vocab or not bool((keep[:, -1:] & enabled).any()):
             break
-    threshold = values.gather(1, keep.sum(dim=-1, keepdim=True) - 1)
+    # NOTE: at least the first candidate: a NaN row keeps nothing, and index -1 would fail the whole step.
+    threshold = values.gather(1, (keep.sum(dim=-1, keepdim=True) - 1).clamp_min_(0))
     threshold = threshold.masked_fill_(~enabled, float("-inf"))
     return logits.masked_fill_(logits < threshold, float("-inf"))
 
 
 def random_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """argmax(probs / E) with E ~ Exp(1) i.i.d. draws a token with probability probs (the exponential race)."""
+    """argmax(probs / E) with E ~ Exp(1) i.i.d. draws a token with probability probs (the exponential race).
+    `probs` is divided by E in place."""
     # NOTE: E = -log(U) from uniform draws rather than exponential_(), which is ~3x slower on CPU. E is clamped
     # above 0 so that probs / E is never 0/0 = NaN, which argmax would pick (a masked token could win).
     noise = torch.empty_like(probs)
@@ -125,6 +106,12 @@ def random_sample(probs: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         noise[row].uniform_(generator=seeded.next_generator())
     noise.log_().neg_().clamp_min_(torch.finfo(noise.dtype).tiny)
     return probs.div_(noise).argmax(dim=-1)
+
+
+def fail_unsampleable(tokens: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """FAILED_TOKEN where a row's maximum logit is not finite: NaN somewhere, +inf, or every token masked (-inf)."""
+    # NOTE: two small [rows] ops and no device sync; the host learns of a failed row with the tokens.
+    return torch.where(torch.isfinite(row_max), tokens, FAILED_TOKEN)
 
 
 class Sampler:
@@ -138,25 +125,26 @@ class Sampler:
         sampled = self.sample(logits, meta)
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs or 0)
+            # NOTE: a failed row's logprobs are of token 0; the row's request fails, so nobody reads them.
+            logprobs = gather_logprobs(raw_logprobs, sampled.clamp_min(0), meta.max_num_logprobs or 0)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        needs_processing = meta.min_tokens is not None or meta.logit_bias is not None or meta.penalties is not None
-        if meta.all_greedy and not needs_processing:
-            return logits.argmax(dim=-1)
+        # NOTE: an all-greedy step skips the processors that cannot change an argmax.
+        processors = meta.argmax_processors if meta.all_greedy else meta.processors
+        if meta.all_greedy and not processors:
+            row_max, greedy = logits.max(dim=-1)  # the first maximal index, as argmax
+            return fail_unsampleable(greedy, row_max)
         # NOTE: a private fp32 copy: the stages work in place and the caller's logits must stay untouched.
         logits = logits.to(torch.float32, copy=True)
-        if meta.min_tokens is not None:
-            logits = apply_min_tokens(logits, meta.min_tokens, meta.slots)
-        if meta.logit_bias is not None:
-            logits = apply_logit_bias(logits, meta.logit_bias)
-        if meta.penalties is not None:
-            logits = apply_penalties(logits, meta.penalties)
-        greedy = None if meta.all_random else logits.argmax(dim=-1)
+        for processor in processors:
+            logits = processor.apply(logits)
+        row_max = greedy = None
+        if not meta.all_random:
+            row_max, greedy = logits.max(dim=-1)
         if meta.all_greedy:
-            assert greedy is not None
-            return greedy
+            assert row_max is not None and greedy is not None
+            return fail_unsampleable(greedy, row_max)
         assert meta.temperature is not None
         logits = logits.div_(meta.temperature.unsqueeze(1))
         if meta.min_p is not None:
@@ -165,8 +153,13 @@ class Sampler:
             logits = apply_top_k(logits, meta.top_k, meta.max_top_k)
         if meta.top_p is not None:
             logits = apply_top_p(logits, meta.top_p)
-        random = random_sample(torch.softmax(logits, dim=-1), meta)
+        raced = torch.softmax(logits, dim=-1)
+        tokens = random_sample(raced, meta)  # `raced` now holds probs / E
+        # NOTE: a random row failed when its winner's probs / E is not > 0: NaN (NaN or +inf logits, every token
+        # masked) or 0. A [rows] gather, where a row maximum would cost an all-random step a pass over the vocabulary.
+        sampled = raced.gather(1, tokens.unsqueeze(1)).squeeze(1) > 0
         if greedy is None:
-            return random
-        assert meta.is_greedy is not None
-        return torch.where(meta.is_greedy, greedy, random)
+            return torch.where(sampled, tokens, FAILED_TOKEN)
+        assert meta.is_greedy is not None and row_max is not None
+        tokens = torch.where(meta.is_greedy, greedy, tokens)
+        return torch.where(torch.isfinite(row_max) & (meta.is_greedy | sampled), tokens, FAILED_TOKEN)

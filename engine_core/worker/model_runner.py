@@ -25,7 +25,7 @@ from engine_core.model.llama import model_class
 from engine_core.model.loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
 from engine_core.model.native_decode import NativeDecodeStep
 from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from engine_core.sample.sampler import Sampler, compute_logprobs
+from engine_core.sample.sampler import FAILED_TOKEN, Sampler, compute_logprobs
 from engine_core.sample.sampling_batch import SamplingBatch
 from engine_core.step_timings import StepTimings
 from engine_core.worker.cuda_graphs import CudaGraphDecodeStep, capture_sizes
@@ -35,6 +35,7 @@ from engine_core.worker.input_batch import InputBatch, StepInputs
 from engine_core.worker.kv_prefault import KvPrefaulter
 from engine_core.worker.mixed_graphs import CudaGraphMixedStep, token_buckets
 from engine_core.worker.step_functions import StepFunction, pick_step_function
+from engine_core.worker.step_sampling import batch_metadata, sample_step
 from kernels import cpu as cpu_kernels
 from kernels.triton_mode import configure_triton_interpret
 
@@ -282,7 +283,7 @@ class ModelRunner:
         last_token = self._to_device("sample_index", inputs.query_start_loc[1:][sample_idx] - 1)
         if self._staging is not None:
             self._staging.end()
-        sampling_meta = self.sampling.metadata(sample_seq_ids) if len(sample_idx) else None
+        sampling_meta = batch_metadata(self.sampling, sample_seq_ids) if len(sample_idx) else None
         self.backend.prepare(meta)
         timings.forward_start = time.perf_counter()
         step = pick_step_function(self.model, self.decode_step, meta, self.mixed_step)
@@ -290,18 +291,19 @@ class ModelRunner:
         timings.sample_start = time.perf_counter()
         out = ModelRunnerOutput()
         out.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
-        if sampling_meta is None:
+        if not len(sample_idx):
             self.batch.advance(inputs, sample_idx, sample_idx)
             return out
         logits = self.model.compute_logits(hidden[last_token])
-        sampled = self.sampler(logits, sampling_meta)
-        tokens = sampled.sampled_token_ids
-        self.sampling.append_tokens(sample_seq_ids, tokens)
-        tokens_np = tokens.cpu().numpy()
-        self.batch.advance(inputs, inputs.rows[sample_idx], tokens_np)
+        sampled = sample_step(self.sampler, self.sampling, logits, sample_seq_ids, sampling_meta)
+        # NOTE: a failed row's sequence ends, but a step planned ahead may still feed its token back: keep it a
+        # valid id in the batch.
+        tokens = sampled.tokens
+        self.batch.advance(inputs, inputs.rows[sample_idx], np.where(tokens == FAILED_TOKEN, 0, tokens))
         out.seq_ids = sample_seq_ids
-        out.sampled_token_ids = tokens_np.tolist()
+        out.sampled_token_ids = tokens.tolist()
         out.logprobs = sampled.logprobs
+        out.errors = sampled.errors
         return out
 
     def _forget(self, seq_id: int) -> None:

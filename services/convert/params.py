@@ -29,7 +29,7 @@ _SCALARS = (
 def params_from_proto(opts: common_pb2.SamplingOptions, *, internal: bool = False) -> SamplingParams:
     """Builds (and so validates) SamplingParams; a bad field raises ValueError starting with its name.
 
-    `internal` also takes `eos_token_id`, which only the frontend may set (from its tokenizer).
+    `internal` also takes `eos_token_id` and `bad_words_token_ids`, which only the frontend sets (from its tokenizer).
     """
     kwargs: dict[str, object] = {name: getattr(opts, name) for name in _SCALARS if opts.HasField(name)}
     if opts.unlimited_max_tokens:
@@ -42,6 +42,12 @@ def params_from_proto(opts: common_pb2.SamplingOptions, *, internal: bool = Fals
         kwargs["stop_token_ids"] = list(opts.stop_token_ids)
     if opts.logit_bias:
         kwargs["logit_bias"] = dict(opts.logit_bias)
+    if opts.bad_words:
+        kwargs["bad_words"] = list(opts.bad_words)
+    if opts.allowed_token_ids:
+        kwargs["allowed_token_ids"] = list(opts.allowed_token_ids)
+    if internal and opts.bad_words_token_ids:
+        kwargs["bad_words_token_ids"] = [list(seq.token_ids) for seq in opts.bad_words_token_ids]
     params = SamplingParams(**kwargs)  # type: ignore[arg-type]
     if internal and opts.HasField("eos_token_id"):
         params.eos_token_id = opts.eos_token_id
@@ -51,8 +57,9 @@ def params_from_proto(opts: common_pb2.SamplingOptions, *, internal: bool = Fals
 def params_to_proto(params: SamplingParams, *, with_stop_strings: bool = True) -> common_pb2.SamplingOptions:
     """Every field, explicitly (the receiver must not depend on its own defaults).
 
-    `with_stop_strings=False` for the internal hops: stop strings are matched by the frontend's detokenizer, so
-    the scheduler and workers never need them (and they would ride along in every step message)."""
+    `with_stop_strings=False` for the internal hops: stop strings are matched by the frontend's detokenizer and bad
+    words travel as token ids, so the scheduler and workers never need the strings (they would ride along in every
+    step message)."""
     opts = common_pb2.SamplingOptions()
     for name in _SCALARS:
         value = getattr(params, name)
@@ -67,6 +74,12 @@ def params_to_proto(params: SamplingParams, *, with_stop_strings: bool = True) -
     if params.logit_bias:
         for tok, bias in params.logit_bias.items():
             opts.logit_bias[tok] = bias
+    if params.bad_words and with_stop_strings:
+        opts.bad_words.extend(params.bad_words)
+    if params.allowed_token_ids:
+        opts.allowed_token_ids.extend(params.allowed_token_ids)
+    for seq in params.bad_words_token_ids or []:
+        opts.bad_words_token_ids.add(token_ids=seq)
     if params.eos_token_id is not None:
         opts.eos_token_id = params.eos_token_id
     return opts

@@ -93,7 +93,7 @@ def _matrix_from_proto(m: worker_pb2.LogprobsMatrix) -> LogprobsTensors:
 
 
 def result_to_proto(out: ModelRunnerOutput) -> worker_pb2.ExecuteResponse:
-    msg = worker_pb2.ExecuteResponse(seq_ids=out.seq_ids, sampled_token_ids=out.sampled_token_ids)
+    msg = worker_pb2.ExecuteResponse(seq_ids=out.seq_ids, sampled_token_ids=out.sampled_token_ids, errors=out.errors)
     if out.logprobs is not None:
         _matrix_to_proto(out.logprobs, msg.logprobs)
     for seq_id, plp in out.prompt_logprobs.items():
@@ -107,4 +107,5 @@ def result_from_proto(msg: worker_pb2.ExecuteResponse) -> ModelRunnerOutput:
         sampled_token_ids=list(msg.sampled_token_ids),
         logprobs=_matrix_from_proto(msg.logprobs) if msg.HasField("logprobs") else None,
         prompt_logprobs={p.seq_id: PromptLogprobs(p.start, _matrix_from_proto(p.tensors)) for p in msg.prompt_logprobs},
+        errors=dict(msg.errors),
     )

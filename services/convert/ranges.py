@@ -32,6 +32,7 @@ def check_wire_ranges(params: SamplingParams) -> None:
             check_ints(name, [value])
     check_ints("stop_token_ids", params.stop_token_ids or [])
     check_ints("logit_bias", list(params.logit_bias or {}))
+    check_ints("allowed_token_ids", params.allowed_token_ids or [])
     if params.seed is not None:
         # NOTE: choice i runs with seed + i, which must still fit the int64 of the step message.
         check_ints("seed", [params.seed], INT64_MIN, INT64_MAX - (params.n - 1))

@@ -44,6 +44,11 @@ def prompt_from_proto(msg: generation_pb2.GenerateRequest | generation_pb2.Token
 def input_from_proto(msg: generation_pb2.GenerateRequest, trace: TraceContext, tenant: str = "") -> GenerateInput:
     if msg.sampling.HasField("eos_token_id"):
         raise RequestError.invalid("sampling.eos_token_id is set by the server from the model; leave it unset")
+    if msg.sampling.bad_words_token_ids:
+        raise RequestError.invalid(
+            "sampling.bad_words_token_ids is set by the server from bad_words; leave it unset",
+            "sampling.bad_words_token_ids",
+        )
     try:
         params = params_from_proto(msg.sampling)
     except ValueError as e:

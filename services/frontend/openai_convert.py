@@ -38,6 +38,8 @@ _PASSTHROUGH = (
     "skip_special_tokens",
     "include_stop_str_in_output",
     "prompt_logprobs",
+    "bad_words",
+    "allowed_token_ids",
 )
 
 

@@ -66,6 +66,8 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     prompt_logprobs: int | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None

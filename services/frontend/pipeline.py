@@ -133,7 +133,12 @@ class RequestPipeline:
                 finally:
                     tokenize.end()
             try:
-                params = with_eos(inp.params, self.model.eos_token_id, self.model.vocab_size)
+                bad_words = None
+                if inp.params.bad_words:
+                    loop = asyncio.get_running_loop()
+                    words = inp.params.bad_words
+                    bad_words = await loop.run_in_executor(self._tokenize_pool, self.tokenizer.bad_words, words)
+                params = with_eos(inp.params, self.model.eos_token_id, self.model.vocab_size, bad_words)
             except ValueError as e:
                 raise RequestError.invalid(str(e)) from e
         except RequestError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine_core.core.prompt_checks import check_token_ids
+from engine_core.io.bad_words import bad_words_token_ids
 from engine_core.io.tokenizer import Tokenizer
 from services.frontend.request import PromptInput, RequestError
 
@@ -63,6 +64,9 @@ class PromptTokenizer:
             )
         except Exception as e:  # NOTE: jinja templates raise anything (e.g. "roles must alternate")
             raise RequestError.invalid(f"{prompt.field}: the chat template rejected the messages: {e}") from e
+
+    def bad_words(self, words: list[str]) -> list[list[int]]:
+        return bad_words_token_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False), words)
 
     def tokens(self, ids: list[int]) -> list[str]:
         return self.tokenizer.convert_ids_to_tokens(ids)

@@ -232,7 +232,12 @@ class EngineLoop:
         for out in outputs:
             owner = self._requests.get(out.request_id)  # NOTE: step outputs belong to the request in the core
             if owner is not None:
-                self._event(events, owner).outputs.append(out)
+                event = self._event(events, owner)
+                event.outputs.append(out)
+                if out.error:
+                    # NOTE: one row of the step failed (ModelRunnerOutput.errors): its request ends with INTERNAL,
+                    # not the retryable UNAVAILABLE of a worker failure; the engine already ended its choices.
+                    event.error, event.error_code = out.error, "INTERNAL"
         for request, event in events.items():
             if self._requests.get(request.request_id) is not request:
                 continue  # ended by a command (abort, error): its event is already final

@@ -34,16 +34,21 @@ def test_sampling_params_round_trip_keeps_every_field() -> None:
         n=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.5,
         presence_penalty=-0.5, logit_bias={3: -2.5}, seed=11, max_tokens=None, min_tokens=2, stop=["\n"],
         stop_token_ids=[7], ignore_eos=True, include_stop_str_in_output=True, skip_special_tokens=False,
-        logprobs=3, prompt_logprobs=1,
+        logprobs=3, prompt_logprobs=1, bad_words=["foo bar"], allowed_token_ids=[3, 4, 9],
     )  # fmt: skip
     params.eos_token_id = 2
+    params.bad_words_token_ids = [[5, 6], [7]]
     back = params_from_proto(params_to_proto(params), internal=True)
-    assert back == params and back.eos_token_id == 2
+    assert back == params and back.eos_token_id == 2 and back.bad_words_token_ids == [[5, 6], [7]]
+    # the internal hops carry bad words as token ids only
+    hop = params_from_proto(params_to_proto(params, with_stop_strings=False), internal=True)
+    assert hop.bad_words is None and hop.bad_words_token_ids == [[5, 6], [7]]
 
 
 def test_public_options_cannot_set_eos_and_keep_defaults() -> None:
-    back = params_from_proto(common_pb2.SamplingOptions(eos_token_id=9))
-    assert back == SamplingParams() and back.eos_token_id is None
+    opts = common_pb2.SamplingOptions(eos_token_id=9, bad_words_token_ids=[common_pb2.TokenIdSequence(token_ids=[1])])
+    back = params_from_proto(opts)
+    assert back == SamplingParams() and back.eos_token_id is None and back.bad_words_token_ids is None
     with pytest.raises(ValueError, match=r"^temperature"):
         params_from_proto(common_pb2.SamplingOptions(temperature=-1))
 
@@ -65,9 +70,9 @@ def test_plan_and_result_round_trip() -> None:
     plp = PromptLogprobs(
         1, LogprobsTensors(torch.tensor([[2], [3]]), torch.tensor([[-1.0], [-2.0]]), torch.tensor([3, 1]))
     )
-    out = ModelRunnerOutput([3], [4], lps, {3: plp})
+    out = ModelRunnerOutput([3, 8], [4, -1], lps, {3: plp}, errors={8: "sampling failed: boom"})
     back = result_from_proto(result_to_proto(out))
-    assert back.seq_ids == [3] and back.sampled_token_ids == [4]
+    assert back.seq_ids == [3, 8] and back.sampled_token_ids == [4, -1] and back.errors == {8: "sampling failed: boom"}
     # The scheduler decodes to numpy (it loads no torch): what its one reader, tensor_rows, takes out is the same.
     assert back.logprobs is not None and tensor_rows(back.logprobs, [0], 2) == tensor_rows(lps, [0], 2)
     assert tensor_rows(back.prompt_logprobs[3].tensors, slice(None), 0) == tensor_rows(plp.tensors, slice(None), 0)

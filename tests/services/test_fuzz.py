@@ -94,6 +94,8 @@ def sampling_options(draw: st.DrawFn) -> common_pb2.SamplingOptions:
         opts.logit_bias[tok] = bias
     if draw(st.integers(0, 9)) == 0:
         opts.eos_token_id = draw(int32)
+    opts.allowed_token_ids.extend(draw(st.lists(st.one_of(int32, st.integers(0, 1000)), max_size=8)))
+    opts.bad_words.extend(draw(st.lists(text, max_size=4)))
     return opts
 
 
@@ -157,8 +159,6 @@ def extreme_sampling(draw: st.DrawFn) -> common_pb2.SamplingOptions:
     return opts
 
 
-# NOTE: strict: it finds `top_p=5e-324` failing the step (issue 35 item 1); the mark goes when that fix lands.
-@pytest.mark.xfail(strict=True, reason="issue 35 item 1: float32 underflow fails a worker step")
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(sampling=extreme_sampling())
 @example(sampling=common_pb2.SamplingOptions(max_tokens=3, top_p=1e-300))  # the issue's two reports, every run

@@ -104,6 +104,40 @@ def test_http_errors_name_the_field(oai: openai.OpenAI) -> None:
         oai.completions.create(model="gpt-4", prompt="Hi", max_tokens=2)
 
 
+def test_vllm_sampling_extensions_and_float32_limits(oai: openai.OpenAI) -> None:
+    prompt = "The capital of France is"
+    plain = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5, temperature=0)
+    word = plain.choices[0].text.split()[0]
+    banned = oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, temperature=0, extra_body={"bad_words": [word]}
+    )
+    assert word not in banned.choices[0].text.split()
+    chat = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say something."}],
+        max_tokens=4,
+        extra_body={"allowed_token_ids": [28, 29], "ignore_eos": True},
+    )
+    assert chat.choices[0].message.content is not None and set(chat.choices[0].message.content) <= {",", "-"}
+    for body, field in (
+        ({"top_p": 1e-300}, "top_p"),
+        ({"repetition_penalty": 1e-46}, "repetition_penalty"),
+        ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+        ({"bad_words": [""]}, "bad_words"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(model=MODEL, prompt="Hi", max_tokens=3, extra_body=body)
+        assert info.value.body["param"] == field, info.value.body  # type: ignore[index]
+    # a request the sampler cannot continue ("7" allowed, "77" banned) fails alone: a 500 with OpenAI's error object
+    sevens = oai.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"allowed_token_ids": [39]})
+    assert sevens.choices[0].text == "77"  # token 39 is "7"
+    with pytest.raises(openai.InternalServerError) as error:
+        oai.completions.create(
+            model=MODEL, prompt="Hi", max_tokens=4, extra_body={"allowed_token_ids": [39], "bad_words": ["77"]}
+        )
+    assert "no token can be sampled" in error.value.body["message"]  # type: ignore[index]
+
+
 def test_dropped_sse_connection_aborts_the_request(
     oai: openai.OpenAI, scheduler_stats: scheduler_pb2_grpc.SchedulerStub
 ) -> None:

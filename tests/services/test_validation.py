@@ -6,7 +6,8 @@ import grpc
 import pytest
 
 from services.client import GenerationClient, text_request
-from services.rpc import common_pb2, generation_pb2
+from services.launcher import LocalCluster
+from services.rpc import common_pb2, generation_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.services.probes import assert_invalid_argument
 
 pytestmark = pytest.mark.slow
@@ -51,6 +52,17 @@ BAD_REQUESTS: list[tuple[str, generation_pb2.GenerateRequest, str]] = [
     ("no chat messages", _chat(), "chat.messages"),
     ("bad chat role", _chat(("wizard", "hi")), "role"),
     ("request id too long", generation_pb2.GenerateRequest(text="Hi", request_id="x" * 300), "request_id"),
+    # float32: the sampler's precision (these crashed a step before)
+    ("top_p rounds to 0 in float32", _req(top_p=1e-300), "top_p"),
+    ("repetition penalty rounds to 0", _req(repetition_penalty=1e-46, top_p=0.9), "repetition_penalty"),
+    ("temperature overflows float32", _req(temperature=1e39), "temperature"),
+    ("allowed token outside vocab", _req(allowed_token_ids=[1, 10**6]), "allowed_token_ids"),
+    ("allowed token negative", _req(allowed_token_ids=[-1]), "allowed_token_ids"),
+    ("too many bad words", _req(bad_words=["w"] * 129), "bad_words"),
+    ("blank bad word", _req(bad_words=[" "]), "bad_words"),
+    ("every allowed token a bad word", _req(allowed_token_ids=[28], bad_words=[","]), "allowed_token_ids"),
+    ("bad word ids set by the client", _req(bad_words_token_ids=[common_pb2.TokenIdSequence(token_ids=[1])]),
+     "bad_words_token_ids"),
 ]  # fmt: skip
 
 
@@ -86,3 +98,66 @@ def test_duplicate_request_id_is_refused(client: GenerationClient) -> None:
 def test_server_still_serves_after_bad_requests(client: GenerationClient) -> None:
     result = client.generate(text_request("The capital of France is", max_tokens=4))
     assert len(result.choices[0].token_ids) == 4
+
+
+def test_bad_words_and_allowed_token_ids_shape_the_output(client: GenerationClient) -> None:
+    plain = client.generate(text_request("The capital of France is", max_tokens=6)).choices[0]
+    allowed = sorted(set(plain.token_ids))[:2]
+    only = client.generate(text_request("The capital of France is", max_tokens=6, allowed_token_ids=allowed))
+    assert set(only.choices[0].token_ids) <= set(allowed)
+    word = plain.text.split()[0]
+    banned = client.generate(text_request("The capital of France is", max_tokens=6, bad_words=[word]))
+    assert word not in banned.choices[0].text.split()
+
+
+def test_scheduler_submit_checks_token_ids_against_the_model(cluster: LocalCluster, client: GenerationClient) -> None:
+    """The scheduler's own Submit is an entry point too: every token id that reaches the worker is range-checked
+    there, and a refused request leaves a running neighbour's stream as it would be alone."""
+    request = text_request("Tell me a long story.", max_tokens=24, ignore_eos=True)
+    expected = client.generate(request).choices[0].token_ids
+    neighbour = client.stream(request)
+    got: list[int] = []
+    while not got:  # running: its first tokens are out
+        got += [t for choice in next(neighbour).choices for t in choice.token_ids]
+    big = 2**31 - 1
+    cases = [
+        ("eos_token_id", common_pb2.SamplingOptions(eos_token_id=big, min_tokens=2, max_tokens=4)),
+        ("allowed_token_ids", common_pb2.SamplingOptions(allowed_token_ids=[big])),
+        ("bad_words", common_pb2.SamplingOptions(bad_words_token_ids=[common_pb2.TokenIdSequence(token_ids=[big])])),
+        ("logit_bias", common_pb2.SamplingOptions(logit_bias={big: 1.0})),
+        ("stop_token_ids", common_pb2.SamplingOptions(stop_token_ids=[big], min_tokens=1)),
+        ("prompt_token_ids", common_pb2.SamplingOptions()),
+    ]
+    with grpc.insecure_channel(cluster.scheduler_addr) as channel:
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        for field, opts in cases:
+            prompt = [1, 2, big] if field == "prompt_token_ids" else [1, 2, 3]
+            submit = scheduler_pb2.SubmitRequest(request_id=f"direct-{field}", prompt_token_ids=prompt, sampling=opts)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Submit(submit, timeout=30))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, info.value.details())
+            assert info.value.details().startswith(field), info.value.details()
+    for msg in neighbour:
+        for choice in msg.choices:
+            got.extend(choice.token_ids)
+    assert got == list(expected)
+
+
+def test_a_request_with_nothing_left_to_sample_fails_alone_with_internal(client: GenerationClient) -> None:
+    """A row the sampler cannot sample (here its allowed_token_ids are all bad words) fails its own request with
+    INTERNAL, not the retryable UNAVAILABLE; the step's other rows go on."""
+    request = text_request("Tell me a long story.", max_tokens=16, ignore_eos=True)
+    expected = client.generate(request).choices[0].token_ids
+    neighbour = client.stream(request)
+    got: list[int] = []
+    while not got:
+        got += [t for choice in next(neighbour).choices for t in choice.token_ids]
+    seven = client.stub.Tokenize(generation_pb2.TokenizeRequest(text="7")).token_ids[-1]
+    # only "7" is allowed and "77" is a bad word ("7" "7"): after the first 7 nothing is left to sample
+    with pytest.raises(grpc.RpcError) as info:
+        list(client.stream(text_request("Hi", max_tokens=4, allowed_token_ids=[seven], bad_words=["77"])))
+    assert info.value.code() == grpc.StatusCode.INTERNAL, info.value.details()
+    assert "no token can be sampled" in info.value.details()
+    for msg in neighbour:
+        got += [t for choice in msg.choices for t in choice.token_ids]
+    assert got == list(expected)
