@@ -47,6 +47,17 @@ def test_engine_finish_and_logprobs_reach_the_request_output(smollm2_tokenizer) 
     assert choice.logprobs[0][9].rank == 1 and choice.logprobs[0][7].rank == 1
 
 
+def test_a_streaming_caller_reads_logprobs_from_the_deltas_only(smollm2_tokenizer) -> None:
+    proc = OutputProcessor(smollm2_tokenizer)
+    proc.add_request("r", None, [5], SamplingParams(logprobs=1), keep_logprobs=False)
+    first = proc.process([SeqOutput("r", 0, [7], new_logprobs=[TokenLogprobs([7, 9], [-0.5, -1.5], 1)])])
+    assert first.updates[0].deltas[0].logprobs is not None and set(first.updates[0].deltas[0].logprobs[0]) == {7, 9}
+    step = proc.process([SeqOutput("r", 0, [8], new_logprobs=[TokenLogprobs([8, 8], [-0.25, -0.25], 1)],
+                                   finish_reason=FinishReason.LENGTH)])  # fmt: skip
+    choice = step.updates[0].output.outputs[0]
+    assert choice.logprobs is None and choice.cumulative_logprob == -0.75 and choice.token_ids == [7, 8]
+
+
 def test_abort_finishes_every_open_choice(smollm2_tokenizer) -> None:
     proc = OutputProcessor(smollm2_tokenizer)
     proc.add_request("r", None, [5], SamplingParams(n=2))

@@ -64,6 +64,7 @@ class _RequestState:
         params: SamplingParams,
         tokenizer: Tokenizer,
         arrival: float,
+        keep_logprobs: bool,
     ) -> None:
         self.params = params
         self.choices = [
@@ -72,7 +73,7 @@ class _RequestState:
         ]
         for c in self.choices:
             if params.logprobs is not None:
-                c.output.logprobs = []
+                c.output.logprobs = [] if keep_logprobs else None
                 c.output.cumulative_logprob = 0.0
         self.output = RequestOutput(
             request_id=request_id,
@@ -100,9 +101,14 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival: float | None = None,
+        keep_logprobs: bool = True,
     ) -> None:
+        """`keep_logprobs=False`: a streaming caller reads each step's logprobs from the deltas, so the output keeps
+        none (`CompletionOutput.logprobs` stays None; `cumulative_logprob` is still summed).
+
+        NOTE: n=16 with 20 logprobs holds ~7 MB per 200 steps as decoded dicts; a stream never reads them again."""
         self.requests[request_id] = _RequestState(
-            request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival or time.monotonic()
+            request_id, prompt, prompt_token_ids, params, self.tokenizer, arrival or time.monotonic(), keep_logprobs
         )
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -157,9 +163,10 @@ class OutputProcessor:
         text = d.text_delta
         o.token_ids.extend(out.new_token_ids)
         new_lps = self._positions(out.new_logprobs) if out.new_logprobs is not None else None
-        if new_lps is not None and o.logprobs is not None:
-            o.logprobs.extend(new_lps)
-            o.cumulative_logprob = (o.cumulative_logprob or 0.0) + sum(lp.logprobs[0] for lp in out.new_logprobs or [])
+        if new_lps is not None and o.cumulative_logprob is not None:
+            if o.logprobs is not None:
+                o.logprobs.extend(new_lps)
+            o.cumulative_logprob += sum(lp.logprobs[0] for lp in out.new_logprobs or [])
         finish, stop_reason = out.finish_reason, out.stop_reason
         if d.stop_string is not None:
             finish, stop_reason = FinishReason.STOP_STRING, d.stop_string

@@ -157,6 +157,7 @@ class RequestPipeline:
             arrival_monotonic=arrival_mono,
             span=span,
             tenant=inp.tenant,
+            stream=inp.stream,
         )
 
     def _cache_salt(self, inp: GenerateInput) -> str | None:
@@ -202,7 +203,14 @@ class RequestPipeline:
         error_type: str | None = None
         # NOTE: everything after taking the slot is inside the try: every failure path releases it.
         try:
-            self.processor.add_request(key, req.prompt_text, req.prompt_token_ids, req.params, req.arrival_monotonic)
+            self.processor.add_request(
+                key,
+                req.prompt_text,
+                req.prompt_token_ids,
+                req.params,
+                req.arrival_monotonic,
+                keep_logprobs=not req.stream,
+            )
             output = self.processor.requests[key].output
             if span is None:
                 # NOTE: tracing off: the client's context travels on unchanged (as message field and metadata).

@@ -97,6 +97,7 @@ class PreparedRequest:
     arrival_monotonic: float
     span: RequestSpan | None = None  # only when tracing is on
     tenant: str = ""
+    stream: bool = True  # the caller streams: the final output need not keep every step's logprobs
 
 
 @dataclass
