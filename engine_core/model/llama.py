@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterable
 from types import ModuleType
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -16,24 +17,17 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
-from engine_core.model.cpu_linear import use_cpu_linears
+from engine_core.model.layers.linear import Linear
 from kernels import cpu as cpu_kernels
 
 
-class Linear(nn.Linear):
-    """`nn.Linear` without the random initialization.
+class Embedding(nn.Embedding):
+    """`nn.Embedding` without the random initialization.
 
     NOTE: `load_weights` overwrites every parameter and fails on a missing one, so a random init is wasted: ~0.7 s
-    of SmolLM2's start-up went to `kaiming_uniform_` and `normal_` over its 134M weights. (torch's `skip_init` builds
-    on the meta device and imports sympy to do it: 0.4 s.)
+    of SmolLM2's start-up went to `kaiming_uniform_` and `normal_` over its 134M weights (model/layers/linear.py's
+    `Linear` allocates only, too).
     """
-
-    def reset_parameters(self) -> None:
-        pass
-
-
-class Embedding(nn.Embedding):
-    """`nn.Embedding` without the random initialization (see `Linear`)."""
 
     def reset_parameters(self) -> None:
         pass
@@ -115,7 +109,12 @@ class Attention(nn.Module):
         self.head_dim = backend.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=qkv_bias,
+            output_sizes=(self.q_size, self.kv_size, self.kv_size),
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
         self.native = False
@@ -155,7 +154,9 @@ class MLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * self.intermediate, bias=False, output_sizes=(self.intermediate, self.intermediate)
+        )
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
         self.native = False
         self.triton: ModuleType | None = None
@@ -194,9 +195,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, backend.head_dim, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head: nn.Module | None = (
-            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:  # one parameter, the embedding's; the LM head's method packs its own forms
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self,
@@ -218,19 +219,7 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
-
-    def use_cpu_gemms(self) -> None:
-        """CPU float32: every projection and the LM head become a `CpuLinear` (model/cpu_linear.py).
-
-        A tied LM head shares the embedding's weight and gets its own packed copies.
-        """
-        if self.lm_head is None:
-            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
-            self.lm_head.weight = self.embed_tokens.weight
-        use_cpu_linears(self)
+        return self.lm_head(hidden).float()
 
     def use_triton_ops(self) -> None:
         """With the `triton` attention backend: RMSNorm (+ residual add), rotary and SiLU-and-mul run as fused Triton
@@ -253,55 +242,49 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.native = True
 
+    # checkpoint projection -> (fused layer, shard): the fused layer's `weight_loader` stacks the shards
+    packed_modules: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Maps HF names onto the fused layout; fails loudly on a missing or unexpected tensor."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
-        fused |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        params = dict(self.named_parameters())  # a tied LM head's weight is listed once, as the embedding's
+        loaded: set[tuple[str, int | None]] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             parts = name.split(".")
-            target, offset_size = name, None
-            if len(parts) >= 2 and parts[-2] in fused:
-                fused_name, shard = fused[parts[-2]]
+            target, shard = name, None
+            if len(parts) >= 2 and parts[-2] in self.packed_modules:
+                fused_name, shard = self.packed_modules[parts[-2]]
                 target = ".".join([*parts[:-2], fused_name, parts[-1]])
-                offset_size = self._shard_range(fused_name, shard)
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
-            param = params[target]
-            if offset_size is None:
-                param.copy_(tensor)
+            owner = self.get_submodule(target.rpartition(".")[0])
+            if isinstance(owner, Linear):
+                owner.weight_loader(params[target], tensor, shard)
             else:
-                start, size = offset_size
-                param.narrow(0, start, size).copy_(tensor)
-            loaded.add(f"{target}#{offset_size}")
-        expected = self._expected_loads(params)
-        missing = sorted(expected - loaded)
+                params[target].copy_(tensor)
+            loaded.add((target, shard))
+        missing = sorted(f"{name}#{shard}" for name, shard in self._expected_loads(params) - loaded)
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
-    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
-        attn = self.layers[0].self_attn
-        if fused_name == "qkv_proj":
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.layers[0].mlp.intermediate] * 2
-        return sum(sizes[:shard]), sizes[shard]
-
-    def _expected_loads(self, params: dict[str, nn.Parameter]) -> set[str]:
-        expected: set[str] = set()
+    def _expected_loads(self, params: dict[str, nn.Parameter]) -> set[tuple[str, int | None]]:
+        expected: set[tuple[str, int | None]] = set()
         for name in params:
-            kind = name.split(".")[-2] if "." in name else ""
-            if kind == "qkv_proj":
-                expected |= {f"{name}#{self._shard_range('qkv_proj', i)}" for i in range(3)}
-            elif kind == "gate_up_proj":
-                expected |= {f"{name}#{self._shard_range('gate_up_proj', i)}" for i in range(2)}
+            owner = self.get_submodule(name.rpartition(".")[0])
+            if isinstance(owner, Linear) and owner.num_shards > 1:
+                expected |= {(name, shard) for shard in range(owner.num_shards)}
             else:
-                expected.add(f"{name}#None")
+                expected.add((name, None))
         return expected
 
 
