@@ -6,9 +6,7 @@ reads and writes K/V in the paged cache. Q/K/V and gate/up projections are fused
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
-from types import ModuleType
 from typing import ClassVar
 
 import torch
@@ -17,8 +15,8 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
+from engine_core.model.layers.layer_ops import TORCH_OPS, LayerOps
 from engine_core.model.layers.linear import Linear
-from kernels import cpu as cpu_kernels
 
 
 class Embedding(nn.Embedding):
@@ -38,33 +36,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.native = False  # fused native op (CPU float32), see LlamaForCausalLM.use_native_ops
-        self.triton: ModuleType | None = None  # `kernels.triton` when fused (CUDA), see LlamaForCausalLM.use_triton_ops
+        self.ops: LayerOps = TORCH_OPS  # the runner's choice (layer_ops.py), see LlamaForCausalLM.use_layer_ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual): the residual add is fused into the norm call.
-
-        NOTE: the native and Triton ops update the residual in place: x is always a fresh projection output here,
-        and the residual a tensor of this forward (the embedding output, then the running sum).
-        """
-        if self.triton is not None:
-            if residual is None:
-                return self.triton.rms_norm(x, self.weight, self.eps), x
-            return self.triton.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if self.native:
-            if residual is None:
-                out = x.clone()
-                cpu_kernels.add_rms_norm(out, None, self.weight, self.eps)
-                return out, x
-            cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
-            return x, residual
-        if residual is not None:
-            x = x + residual
-        residual = x
-        # NOTE: same op order and fp32 upcast as transformers' LlamaRMSNorm, so fp32 logits match bit for bit-ish.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype), residual
+        """Returns (norm(x + residual), x + residual): the residual add is fused into the norm call."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -90,17 +66,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x: [T, heads, D]."""
-    cos, sin = cos_sin
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool) -> None:
         super().__init__()
@@ -117,8 +82,7 @@ class Attention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
-        self.native = False
-        self.triton: ModuleType | None = None
+        self.ops: LayerOps = TORCH_OPS
 
     def forward(
         self,
@@ -129,21 +93,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.native:  # rotates q and k (adjacent in each row) in place, one pass
-            cos, sin = cos_sin
-            cpu_kernels.rotary_embedding(
-                qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads + self.num_kv_heads, self.head_dim
-            )
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.triton is not None:  # in place on the q/k views of qkv, one kernel each
-            cos, sin = cos_sin
-            half = cos.shape[-1] // 2
-            self.triton.rotary_embedding_neox(None, q, k, cos.view(t, -1)[:, :half], sin.view(t, -1)[:, :half])
-        elif not self.native:
-            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+        q, k, v = self.ops.split_rotate_qkv(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -158,17 +108,10 @@ class MLP(nn.Module):
             config.hidden_size, 2 * self.intermediate, bias=False, output_sizes=(self.intermediate, self.intermediate)
         )
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
-        self.native = False
-        self.triton: ModuleType | None = None
+        self.ops: LayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.triton is not None:
-            return self.down_proj(self.triton.silu_and_mul(gate_up))
-        if self.native:
-            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -221,26 +164,13 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def use_triton_ops(self) -> None:
-        """With the `triton` attention backend: RMSNorm (+ residual add), rotary and SiLU-and-mul run as fused Triton
-        kernels (kernels/triton/fused.py) instead of ~3-6 eager torch kernels each: one launch per op per layer.
-
-        They replace the native CPU ops where both were switched on (the `triton` backend on CPU, interpreted: tests).
-
-        NOTE: imported here, not at the top, so that the CPU engine never imports Triton.
-        """
-        ops = importlib.import_module("kernels.triton")
+    def use_layer_ops(self, ops: LayerOps) -> None:
+        """RMSNorm (+ residual add), rotary and SiLU-and-mul run as `ops` (layer_ops.py: eager torch, the fused native
+        CPU ops or the fused Triton kernels), the model runner's choice for its device and attention backend. (A
+        decode-only step in one native call is a step function: model/native_decode.py.)"""
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
-                module.triton = ops
-                module.native = False
-
-    def use_native_ops(self) -> None:
-        """CPU float32, after `use_cpu_gemms`: RMSNorm (+ residual add), rotary and SiLU-and-mul run as fused native
-        ops (kernels/cpu). (A decode-only step in one native call is a step function: model/native_decode.py.)"""
-        for module in self.modules():
-            if isinstance(module, RMSNorm | Attention | MLP):
-                module.native = True
+                module.ops = ops
 
     # checkpoint projection -> (fused layer, shard): the fused layer's `weight_loader` stacks the shards
     packed_modules: ClassVar[dict[str, tuple[str, int]]] = {

@@ -21,6 +21,7 @@ from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
 from engine_core.host_cpus import usable_cpus
 from engine_core.model.cpu_linear import CpuGemmRows, can_pack
+from engine_core.model.layers.layer_ops import select_layer_ops
 from engine_core.model.layers.linear import process_linear_weights
 from engine_core.model.layers.selector import select_linear_method
 from engine_core.model.llama import model_class
@@ -119,12 +120,9 @@ class ModelRunner:
         # serves decode-only steps. NOTE: this is the seam where a CUDA-graph replay of decode steps plugs in.
         self.decode_step: StepFunction | None = None
         self.mixed_step: StepFunction | None = None  # steps with prefill chunks (CUDA graphs: mixed_graphs.py)
-        if can_pack(self.device, self.dtype) and cpu_kernels.available():
-            self.model.use_native_ops()
-            if backend.name == "cpu":  # the native step writes K/V in the cpu backend's way
-                self.decode_step = NativeDecodeStep(self.model)
-        if backend.name == "triton":
-            self.model.use_triton_ops()
+        self.model.use_layer_ops(select_layer_ops(self.device, self.dtype, backend.name))
+        if can_pack(self.device, self.dtype) and cpu_kernels.available() and backend.name == "cpu":
+            self.decode_step = NativeDecodeStep(self.model)  # NOTE: it writes K/V in the cpu backend's way
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
         log.info(
             "model loaded", architecture=arch, dtype=config.resolved_dtype, seconds=round(time.perf_counter() - t0, 2)

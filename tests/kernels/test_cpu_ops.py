@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 from engine_core.model.cpu_linear import LARGE_M, NEVER, ONEDNN_M, CpuGemmRows
 from engine_core.model.layers.cpu_float32 import CpuFloat32Method
+from engine_core.model.layers.layer_ops import NativeCpuOps, apply_rotary
 from engine_core.model.layers.linear import Linear
-from engine_core.model.llama import RMSNorm, apply_rotary
+from engine_core.model.llama import RMSNorm
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_store_kv
 
@@ -31,7 +32,7 @@ def test_add_rms_norm_matches_the_torch_module(with_residual: bool) -> None:
     x = torch.randn(33, 576) * 3
     residual = torch.randn(33, 576) if with_residual else None
     want_out, want_res = norm(x.clone(), None if residual is None else residual.clone())
-    norm.native = True
+    norm.ops = NativeCpuOps()
     got_out, got_res = norm(x.clone(), None if residual is None else residual.clone())
     torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_res, want_res)
