@@ -9,7 +9,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine_core import LLM, SamplingParams
+from engine_core.model.cpu_linear import NEVER, CpuGemmRows
+from engine_core.model.layers.linear import UNQUANTIZED, Linear, process_linear_weights
+from engine_core.model.layers.selector import select_linear_method
+from engine_core.model.loader import iter_weights
 from engine_core.model.native_decode import NativeDecodeStep
+from engine_core.worker.model_runner import ModelRunner
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_gguf_decoded
 from tests.conftest import TRITON_DEVICE
@@ -119,26 +124,53 @@ def test_half_precision_dtypes_track_float32(dtype: str, tmp_path: Path, smollm2
         assert abs(g.outputs[0].logprobs[0][tok].logprob - w.outputs[0].logprobs[0][tok].logprob) < 0.1
 
 
+def _reload_linears(runner: ModelRunner, model_dir: Path, rows: CpuGemmRows) -> None:
+    """Loads the checkpoint's projections again and processes them with the GEMM dispatch `rows`, which keeps only
+    the weight forms those thresholds reach; the native decode step is rebuilt over the same layers."""
+    model = runner.model
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            layer.weight = torch.nn.Parameter(torch.empty(layer.out_features, layer.in_features), requires_grad=False)
+            layer.method, layer.cpu_forms = UNQUANTIZED, None
+    model.load_weights(iter_weights(str(model_dir), runner.hf_config))
+    process_linear_weights(model, select_linear_method(runner.device, runner.dtype, rows))
+    runner.decode_step = NativeDecodeStep(model)
+
+
 @pytest.mark.parametrize("kind", ["qwen2", "llama"])
 @pytest.mark.parametrize(
-    ("gguf", "onednn_m", "large_m"),
-    [(True, 128, 512), (False, 128, 512), (False, 1, 512), (False, 1, 1)],
+    ("gguf", "onednn_m", "large_m", "resident"),
+    [
+        (True, 128, NEVER, {"coded", "onednn"}),
+        (False, 128, NEVER, {"panels", "onednn"}),
+        (False, 1, NEVER, {"onednn"}),
+        (False, 1, 1, {"plain"}),
+    ],
     ids=["coded-gemm", "panel-gemm", "onednn-gemm", "mkl-gemm"],
 )
 def test_native_decode_step_matches_the_python_layers(
-    kind: str, gguf: bool, onednn_m: int, large_m: int, tmp_path: Path, smollm2_dir: str
+    kind: str, gguf: bool, onednn_m: int, large_m: int, resident: set[str], tmp_path: Path, smollm2_dir: str
 ) -> None:
-    """Decode-only steps run every layer in one native call (kernels/cpu/decode_step.cpp): same tokens and logprobs
-    as the Python layer loop, through each of its GEMM paths (6 decode rows; the row thresholds are moved so each
-    path takes them, and GGUF-decoded weights take the coded kernel). Qwen2 brings the Q/K/V biases."""
+    """Decode-only steps run every layer in one native call (kernels/cpu/decode_step.cpp) over the layers' own weight
+    forms: same tokens and logprobs as the Python layer loop, through each of its GEMM paths (6 decode rows; the row
+    thresholds are moved so each path takes them, and GGUF-decoded weights take the coded kernel). Qwen2 brings the
+    Q/K/V biases."""
     model_dir = _tiny(kind, tmp_path / kind, smollm2_dir, gguf=gguf)
     llm = LLM(str(model_dir), kv_cache_memory=0.05, enable_prefix_caching=False)
     runner = llm.core.executor
     if not isinstance(runner.decode_step, NativeDecodeStep):
         pytest.skip("native CPU kernels unavailable")
-    runner.decode_step.weights.onednn_m, runner.decode_step.weights.large_m = onednn_m, large_m
-    coded = [c is not None for c in runner.decode_step.weights.coded]
-    assert coded == [gguf and cpu_kernels.coded_linear_vectorized()] * len(coded)
+    coded_m = 128 if cpu_kernels.coded_linear_vectorized() else 0
+    _reload_linears(runner, model_dir, CpuGemmRows(coded_m, onednn_m, large_m))
+    if gguf and not coded_m:
+        resident = {"panels", "onednn"}
+    for layer in runner.model.modules():
+        if isinstance(layer, Linear):  # each weight resident only in the forms its dispatch reads
+            assert layer.weight is None and layer.cpu_forms is not None
+            forms = {
+                name for name in ("coded", "panels", "onednn", "plain") if getattr(layer.cpu_forms, name) is not None
+            }
+            assert forms == resident, layer
     gen = torch.Generator().manual_seed(3)
     prompts = [
         {"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (3, 40, 1, 17, 9, 5)

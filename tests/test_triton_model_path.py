@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from engine_core import LLM, SamplingParams
+from engine_core.model.layers.layer_ops import TORCH_OPS
 from engine_core.model.llama import MLP, Attention, RMSNorm
 from tests.conftest import TRITON_DEVICE
 from tests.test_model_families import VOCAB, _tiny
@@ -26,13 +27,12 @@ def test_fused_triton_ops_match_the_eager_layers(tmp_path: Path, smollm2_dir: st
     )
     model = llm.core.executor.model
     fused_modules = [m for m in model.modules() if isinstance(m, RMSNorm | Attention | MLP)]
-    assert fused_modules and all(m.triton is not None for m in fused_modules), "the runner did not switch them on"
+    assert fused_modules and all(m.ops.name == "triton" for m in fused_modules), "the runner did not switch them on"
     gen = torch.Generator().manual_seed(2)
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (4, 9, 1)]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=3)
     fused = llm.generate(prompts, params, use_tqdm=False)
-    for m in fused_modules:
-        m.triton = None  # the eager torch layers (native CPU ops stay off: they are a different implementation)
+    model.use_layer_ops(TORCH_OPS)  # the eager torch layers (not the native CPU ops: a different implementation)
     eager = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(fused, eager, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -6,9 +6,8 @@ reads and writes K/V in the paged cache. Q/K/V and gate/up projections are fused
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Iterable
-from types import ModuleType
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -16,24 +15,17 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
-from engine_core.model.cpu_linear import use_cpu_linears
-from kernels import cpu as cpu_kernels
-
-
-class Linear(nn.Linear):
-    """`nn.Linear` without the random initialization.
-
-    NOTE: `load_weights` overwrites every parameter and fails on a missing one, so a random init is wasted: ~0.7 s
-    of SmolLM2's start-up went to `kaiming_uniform_` and `normal_` over its 134M weights. (torch's `skip_init` builds
-    on the meta device and imports sympy to do it: 0.4 s.)
-    """
-
-    def reset_parameters(self) -> None:
-        pass
+from engine_core.model.layers.layer_ops import TORCH_OPS, LayerOps
+from engine_core.model.layers.linear import Linear
 
 
 class Embedding(nn.Embedding):
-    """`nn.Embedding` without the random initialization (see `Linear`)."""
+    """`nn.Embedding` without the random initialization.
+
+    NOTE: `load_weights` overwrites every parameter and fails on a missing one, so a random init is wasted: ~0.7 s
+    of SmolLM2's start-up went to `kaiming_uniform_` and `normal_` over its 134M weights (model/layers/linear.py's
+    `Linear` allocates only, too).
+    """
 
     def reset_parameters(self) -> None:
         pass
@@ -44,33 +36,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
-        self.native = False  # fused native op (CPU float32), see LlamaForCausalLM.use_native_ops
-        self.triton: ModuleType | None = None  # `kernels.triton` when fused (CUDA), see LlamaForCausalLM.use_triton_ops
+        self.ops: LayerOps = TORCH_OPS  # the runner's choice (layer_ops.py), see LlamaForCausalLM.use_layer_ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (norm(x + residual), x + residual): the residual add is fused into the norm call.
-
-        NOTE: the native and Triton ops update the residual in place: x is always a fresh projection output here,
-        and the residual a tensor of this forward (the embedding output, then the running sum).
-        """
-        if self.triton is not None:
-            if residual is None:
-                return self.triton.rms_norm(x, self.weight, self.eps), x
-            return self.triton.fused_add_rms_norm(x, residual, self.weight, self.eps)
-        if self.native:
-            if residual is None:
-                out = x.clone()
-                cpu_kernels.add_rms_norm(out, None, self.weight, self.eps)
-                return out, x
-            cpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
-            return x, residual
-        if residual is not None:
-            x = x + residual
-        residual = x
-        # NOTE: same op order and fp32 upcast as transformers' LlamaRMSNorm, so fp32 logits match bit for bit-ish.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype), residual
+        """Returns (norm(x + residual), x + residual): the residual add is fused into the norm call."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -96,17 +66,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
 
-def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x: [T, heads, D]."""
-    cos, sin = cos_sin
-    return x * cos + _rotate_half(x) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool) -> None:
         super().__init__()
@@ -115,11 +74,15 @@ class Attention(nn.Module):
         self.head_dim = backend.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj = Linear(
+            config.hidden_size,
+            self.q_size + 2 * self.kv_size,
+            bias=qkv_bias,
+            output_sizes=(self.q_size, self.kv_size, self.kv_size),
+        )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
-        self.native = False
-        self.triton: ModuleType | None = None
+        self.ops: LayerOps = TORCH_OPS
 
     def forward(
         self,
@@ -130,21 +93,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.native:  # rotates q and k (adjacent in each row) in place, one pass
-            cos, sin = cos_sin
-            cpu_kernels.rotary_embedding(
-                qkv, cos.view(t, -1), sin.view(t, -1), self.num_heads + self.num_kv_heads, self.head_dim
-            )
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.triton is not None:  # in place on the q/k views of qkv, one kernel each
-            cos, sin = cos_sin
-            half = cos.shape[-1] // 2
-            self.triton.rotary_embedding_neox(None, q, k, cos.view(t, -1)[:, :half], sin.view(t, -1)[:, :half])
-        elif not self.native:
-            q, k = apply_rotary(q, cos_sin), apply_rotary(k, cos_sin)
+        q, k, v = self.ops.split_rotate_qkv(qkv, cos_sin, self.num_heads, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(out.reshape(t, self.q_size))
 
@@ -155,19 +104,14 @@ class MLP(nn.Module):
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.intermediate, bias=False)
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * self.intermediate, bias=False, output_sizes=(self.intermediate, self.intermediate)
+        )
         self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
-        self.native = False
-        self.triton: ModuleType | None = None
+        self.ops: LayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.triton is not None:
-            return self.down_proj(self.triton.silu_and_mul(gate_up))
-        if self.native:
-            return self.down_proj(cpu_kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -194,9 +138,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, backend.head_dim, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head: nn.Module | None = (
-            None if self.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if self.tie_word_embeddings:  # one parameter, the embedding's; the LM head's method packs its own forms
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(
         self,
@@ -218,90 +162,59 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
-            return self.lm_head(hidden).float()
-        return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
-    def use_cpu_gemms(self) -> None:
-        """CPU float32: every projection and the LM head become a `CpuLinear` (model/cpu_linear.py).
-
-        A tied LM head shares the embedding's weight and gets its own packed copies.
-        """
-        if self.lm_head is None:
-            self.lm_head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
-            self.lm_head.weight = self.embed_tokens.weight
-        use_cpu_linears(self)
-
-    def use_triton_ops(self) -> None:
-        """With the `triton` attention backend: RMSNorm (+ residual add), rotary and SiLU-and-mul run as fused Triton
-        kernels (kernels/triton/fused.py) instead of ~3-6 eager torch kernels each: one launch per op per layer.
-
-        They replace the native CPU ops where both were switched on (the `triton` backend on CPU, interpreted: tests).
-
-        NOTE: imported here, not at the top, so that the CPU engine never imports Triton.
-        """
-        ops = importlib.import_module("kernels.triton")
+    def use_layer_ops(self, ops: LayerOps) -> None:
+        """RMSNorm (+ residual add), rotary and SiLU-and-mul run as `ops` (layer_ops.py: eager torch, the fused native
+        CPU ops or the fused Triton kernels), the model runner's choice for its device and attention backend. (A
+        decode-only step in one native call is a step function: model/native_decode.py.)"""
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
-                module.triton = ops
-                module.native = False
+                module.ops = ops
 
-    def use_native_ops(self) -> None:
-        """CPU float32, after `use_cpu_gemms`: RMSNorm (+ residual add), rotary and SiLU-and-mul run as fused native
-        ops (kernels/cpu). (A decode-only step in one native call is a step function: model/native_decode.py.)"""
-        for module in self.modules():
-            if isinstance(module, RMSNorm | Attention | MLP):
-                module.native = True
+    # checkpoint projection -> (fused layer, shard): the fused layer's `weight_loader` stacks the shards
+    packed_modules: ClassVar[dict[str, tuple[str, int]]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Maps HF names onto the fused layout; fails loudly on a missing or unexpected tensor."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
-        fused |= {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        params = dict(self.named_parameters())  # a tied LM head's weight is listed once, as the embedding's
+        loaded: set[tuple[str, int | None]] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.lm_head is None):
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             parts = name.split(".")
-            target, offset_size = name, None
-            if len(parts) >= 2 and parts[-2] in fused:
-                fused_name, shard = fused[parts[-2]]
+            target, shard = name, None
+            if len(parts) >= 2 and parts[-2] in self.packed_modules:
+                fused_name, shard = self.packed_modules[parts[-2]]
                 target = ".".join([*parts[:-2], fused_name, parts[-1]])
-                offset_size = self._shard_range(fused_name, shard)
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
-            param = params[target]
-            if offset_size is None:
-                param.copy_(tensor)
+            owner = self.get_submodule(target.rpartition(".")[0])
+            if isinstance(owner, Linear):
+                owner.weight_loader(params[target], tensor, shard)
             else:
-                start, size = offset_size
-                param.narrow(0, start, size).copy_(tensor)
-            loaded.add(f"{target}#{offset_size}")
-        expected = self._expected_loads(params)
-        missing = sorted(expected - loaded)
+                params[target].copy_(tensor)
+            loaded.add((target, shard))
+        missing = sorted(f"{name}#{shard}" for name, shard in self._expected_loads(params) - loaded)
         if missing:
             raise ValueError(f"weights missing from checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
-    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
-        attn = self.layers[0].self_attn
-        if fused_name == "qkv_proj":
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.layers[0].mlp.intermediate] * 2
-        return sum(sizes[:shard]), sizes[shard]
-
-    def _expected_loads(self, params: dict[str, nn.Parameter]) -> set[str]:
-        expected: set[str] = set()
+    def _expected_loads(self, params: dict[str, nn.Parameter]) -> set[tuple[str, int | None]]:
+        expected: set[tuple[str, int | None]] = set()
         for name in params:
-            kind = name.split(".")[-2] if "." in name else ""
-            if kind == "qkv_proj":
-                expected |= {f"{name}#{self._shard_range('qkv_proj', i)}" for i in range(3)}
-            elif kind == "gate_up_proj":
-                expected |= {f"{name}#{self._shard_range('gate_up_proj', i)}" for i in range(2)}
+            owner = self.get_submodule(name.rpartition(".")[0])
+            if isinstance(owner, Linear) and owner.num_shards > 1:
+                expected |= {(name, shard) for shard in range(owner.num_shards)}
             else:
-                expected.add(f"{name}#None")
+                expected.add((name, None))
         return expected
 
 

@@ -1,8 +1,10 @@
 """A step function for decode-only steps on CPU: every layer of the model in one native call.
 
 The model has one forward (the layer loop); how a step runs is the model runner's choice among step functions
-(`worker/step_functions.py`). This one chains the same ops in C++ (kernels/cpu/decode_step.cpp) with the same
-GEMM dispatch, so its outputs match the layer loop's; it serves only steps where every row is a decode.
+(`worker/step_functions.py`). This one chains the same ops in C++ (kernels/cpu/decode_step.cpp) over the same
+layer objects: each projection's weight forms and row thresholds are its `Linear`'s (`CpuWeightForms`), so its
+outputs match the layer loop's and a weight format is added in one place. It serves only steps where every row is a
+decode.
 """
 
 from __future__ import annotations
@@ -10,13 +12,15 @@ from __future__ import annotations
 import torch
 
 from engine_core.attention.backend import AttentionMetadata
-from engine_core.model.cpu_linear import CODED_M, ONEDNN_M
+from engine_core.model.layers.cpu_forms import CpuWeightForms
+from engine_core.model.layers.linear import Linear
 from engine_core.model.llama import LlamaForCausalLM
 from kernels import cpu as cpu_kernels
 
 
 class NativeDecodeStep:
-    """Needs the model after `use_cpu_gemms()` (packed weights) and the `cpu` attention backend's cache layout."""
+    """Needs the model's linears processed by a CPU method (model/layers/cpu_float32.py) and the `cpu` attention
+    backend's cache layout."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
@@ -26,23 +30,28 @@ class NativeDecodeStep:
         projections = [
             p for a, m in zip(attn, mlp, strict=True) for p in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
         ]
+        forms = [_cpu_forms(p) for p in projections]
+        rows = forms[0].rows
+        if any(f.rows != rows for f in forms):
+            raise ValueError("the native decode step needs one row dispatch for every projection")
         self.weights = cpu_kernels.DecodeLayerWeights(
             norms=[
                 w for layer in layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
             ],
-            weights=[p.weight for p in projections],
-            panels=[p.panels for p in projections],
-            coded=[p.coded for p in projections],
-            packed=[p.packed for p in projections],
+            out_features=[f.out_features for f in forms],
+            plain=[f.plain for f in forms],
+            panels=[f.panels for f in forms],
+            coded=[f.coded for f in forms],
+            onednn=[f.onednn for f in forms],
             qkv_biases=[a.qkv_proj.bias for a in attn] if model.qkv_bias else [],
             num_heads=attn[0].num_heads,
             num_kv_heads=attn[0].num_kv_heads,
             head_dim=attn[0].head_dim,
             eps=layers[0].input_layernorm.eps,
             scale=attn[0].backend.scale,
-            coded_m=CODED_M,
-            onednn_m=ONEDNN_M,
-            large_m=projections[0].mkl_from,
+            coded_m=rows.coded_m,
+            onednn_m=rows.onednn_m,
+            large_m=rows.large_m,
         )
 
     def __call__(
@@ -68,3 +77,9 @@ class NativeDecodeStep:
         )
         h, _ = model.norm(h, residual)
         return h
+
+
+def _cpu_forms(layer: Linear) -> CpuWeightForms:
+    if layer.cpu_forms is None:
+        raise ValueError(f"the native decode step needs CPU weight forms; this linear is {layer.method.name}")
+    return layer.cpu_forms

@@ -20,7 +20,10 @@ from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
 from engine_core.host_cpus import usable_cpus
-from engine_core.model.cpu_linear import can_pack
+from engine_core.model.cpu_linear import CpuGemmRows, can_pack
+from engine_core.model.layers.layer_ops import select_layer_ops
+from engine_core.model.layers.linear import process_linear_weights
+from engine_core.model.layers.selector import select_linear_method
 from engine_core.model.llama import model_class
 from engine_core.model.loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
 from engine_core.model.native_decode import NativeDecodeStep
@@ -76,7 +79,8 @@ def resolve_max_model_len(config: EngineConfig, hf_config: object) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str) -> None:
+    def __init__(self, config: EngineConfig, model_dir: str, gemm_rows: CpuGemmRows | None = None) -> None:
+        """`gemm_rows`: the CPU float32 GEMM dispatch's row thresholds (tests move them); None: this CPU's."""
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.resolved_dtype]
@@ -110,18 +114,16 @@ class ModelRunner:
             model = cls(hf, backend, self.max_model_len)
         model.load_weights(iter_weights(model_dir, hf))
         self.model = model.to(dtype=self.dtype).eval()
+        # NOTE: after the dtype cast: each linear's method keeps its weight in the form(s) its kernels read, once.
+        linear_method = select_linear_method(self.device, self.dtype, gemm_rows)
+        process_linear_weights(self.model, linear_method)
         # The step functions (step_functions.py): the model's forward serves every step; `decode_step`, where set,
         # serves decode-only steps. NOTE: this is the seam where a CUDA-graph replay of decode steps plugs in.
         self.decode_step: StepFunction | None = None
         self.mixed_step: StepFunction | None = None  # steps with prefill chunks (CUDA graphs: mixed_graphs.py)
-        if can_pack(self.device, self.dtype):
-            self.model.use_cpu_gemms()
-            if cpu_kernels.available():
-                self.model.use_native_ops()
-                if backend.name == "cpu":  # the native step writes K/V in the cpu backend's way
-                    self.decode_step = NativeDecodeStep(self.model)
-        if backend.name == "triton":
-            self.model.use_triton_ops()
+        self.model.use_layer_ops(select_layer_ops(self.device, self.dtype, backend.name))
+        if can_pack(self.device, self.dtype) and cpu_kernels.available() and backend.name == "cpu":
+            self.decode_step = NativeDecodeStep(self.model)  # NOTE: it writes K/V in the cpu backend's way
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
         log.info(
             "model loaded", architecture=arch, dtype=config.resolved_dtype, seconds=round(time.perf_counter() - t0, 2)

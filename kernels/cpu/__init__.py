@@ -187,18 +187,21 @@ class DecodeLayerWeights:
     """What `decode_layers` needs of a Llama-family model, flattened once at load."""
 
     norms: list[torch.Tensor]  # input and post-attention RMSNorm weights, 2 per layer
-    weights: list[torch.Tensor]  # qkv, o, gate_up, down projections ([out, in]), 4 per layer
-    panels: list[torch.Tensor]  # the same packed by `panel_pack`
-    coded: list[torch.Tensor | None]  # and as `coded_pack` records where the weight has block codes
-    packed: list[torch.Tensor]  # and as oneDNN packed tensors
+    # The qkv, o, gate_up and down projections, 4 per layer, each in the forms its dispatch reads (None: a form no
+    # row count reaches): plain [out, in] float32, `panel_pack` panels, `coded_pack` records, oneDNN packed.
+    out_features: list[int]
+    plain: list[torch.Tensor | None]
+    panels: list[torch.Tensor | None]
+    coded: list[torch.Tensor | None]
+    onednn: list[torch.Tensor | None]
     qkv_biases: list[torch.Tensor]  # one per layer (Qwen2), or empty
     num_heads: int
     num_kv_heads: int
     head_dim: int
     eps: float
     scale: float
-    # GEMM row thresholds, as model/cpu_linear.py dispatches: below coded_m the coded kernel (where the weight has
-    # codes), below onednn_m the panel kernel, from onednn_m oneDNN, from large_m MKL
+    # GEMM row thresholds, as model/layers/cpu_forms.py dispatches: below coded_m the coded kernel (where the weight
+    # has codes), below onednn_m the panel kernel, from onednn_m oneDNN, from large_m MKL
     coded_m: int
     onednn_m: int
     large_m: int
@@ -224,10 +227,11 @@ def decode_layers(
         block_tables,
         seq_lens,
         layers.norms,
-        layers.weights,
+        layers.out_features,
+        layers.plain,
         layers.panels,
         layers.coded,
-        layers.packed,
+        layers.onednn,
         layers.qkv_biases,
         layers.num_heads,
         layers.num_kv_heads,

@@ -3,14 +3,16 @@
 // Why: at batch 1 the GEMMs stream the weights in ~19 ms and everything else is ~11 ops per layer whose cost was
 // almost all Python and dispatch (25.5 -> ~20 ms per token with this loop). It is the CPU counterpart of replaying
 // a captured CUDA graph: the ops the Python model calls (ops.h, and the coded / panel kernel / oneDNN / MKL for the
-// GEMMs, with the same row thresholds as model/cpu_linear.py, passed in), chained without returning to Python. The
-// layer math is model/llama.py's; tests check both paths give the same tokens and logprobs.
+// GEMMs, with each projection's weight forms and row thresholds handed in from its layer, model/layers/cpu_forms.py),
+// chained without returning to Python. The layer math is model/llama.py's; tests check both paths give the same
+// tokens and logprobs.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <tuple>
+#include <vector>
 
 #include "ops.h"
 
@@ -18,30 +20,39 @@ namespace {
 
 struct Gemms {
   // rows below coded_m: the coded kernel (where the weight has codes); below onednn_m: the panel kernel; from
-  // onednn_m: oneDNN; from large_m: MKL
+  // onednn_m: oneDNN; from large_m: MKL (model/layers/cpu_forms.py's `cpu_gemm`, in the same order)
   int64_t coded_m, onednn_m, large_m;
 };
 
-// NOTE: measured (benchmarks/cpu_bench.py gemm, 30 layers, ms): the panel kernel beat both oneDNN and the streaming
-// kernel from 1 to 64 rows (1 row: 14.0 vs 22.3 / 17.6; 8: 15.7 vs 26.4; 64: 66.6 vs 75.3); from 128 rows the two
-// are within noise and oneDNN keeps them.
-at::Tensor project(const Gemms& g, const at::Tensor& x, const at::Tensor& w, const at::Tensor& panels,
-                   const c10::optional<at::Tensor>& coded, const at::Tensor& packed,
-                   const c10::optional<at::Tensor>& bias) {
+// One projection's weight, in the forms its dispatch reads (an absent form is one no row count reaches).
+struct Forms {
+  int64_t out_features;
+  const c10::optional<at::Tensor>& plain;
+  const c10::optional<at::Tensor>& panels;
+  const c10::optional<at::Tensor>& coded;
+  const c10::optional<at::Tensor>& onednn;
+};
+
+at::Tensor project(const Gemms& g, const at::Tensor& x, const Forms& w, const c10::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0);
-  if (rows < g.onednn_m) {  // NOTE: the codes only replace the panels, as in CpuLinear.forward
-    at::Tensor out = at::empty({rows, w.size(0)}, x.options());
-    if (rows < g.coded_m && coded.has_value()) {
-      pagoda::coded_linear(out, x, *coded, bias);
+  if (rows < g.onednn_m) {
+    at::Tensor out = at::empty({rows, w.out_features}, x.options());
+    if (rows < g.coded_m && w.coded.has_value()) {
+      pagoda::coded_linear(out, x, *w.coded, bias);
     } else {
-      pagoda::panel_linear(out, x, panels, bias);
+      TORCH_CHECK(w.panels.has_value(), "decode_layers: no panels for ", rows, " rows");
+      pagoda::panel_linear(out, x, *w.panels, bias);
     }
     return out;
   }
-  if (rows >= g.large_m) return at::linear(x, w, bias);
+  if (rows >= g.large_m) {
+    TORCH_CHECK(w.plain.has_value(), "decode_layers: no plain weight for ", rows, " rows");
+    return at::linear(x, *w.plain, bias);
+  }
+  TORCH_CHECK(w.onednn.has_value(), "decode_layers: no oneDNN weight for ", rows, " rows");
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, packed, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), "none",
+  torch::jit::Stack stack{x, *w.onednn, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), "none",
                           c10::List<c10::optional<at::Scalar>>(), c10::IValue()};
   op.callBoxed(&stack);
   return stack.back().toTensor();
@@ -52,27 +63,35 @@ at::Tensor project(const Gemms& g, const at::Tensor& x, const at::Tensor& w, con
 namespace pagoda {
 
 // h: the step's embeddings [B, hidden]; cos/sin: [B, head_dim] rows for each token's position. Per layer l:
-// norms[2l], norms[2l+1] (input, post-attention RMSNorm weights); weights[4l..4l+3] (qkv, o, gate_up, down, each
-// [out, in]), `panels` the same packed by panel_pack, `coded` by coded_pack (or none), `packed` as oneDNN tensors;
-// qkv_biases: empty or one per layer. Returns (h, residual) before the final norm, as the Python loop.
+// norms[2l], norms[2l+1] (input, post-attention RMSNorm weights); projections 4l..4l+3 (qkv, o, gate_up, down):
+// out_features, and each form its dispatch reads or none: `plain` [out, in], `panels` by panel_pack, `coded` by
+// coded_pack, `onednn` as oneDNN tensors; qkv_biases: empty or one per layer. Returns (h, residual) before the final
+// norm, as the Python loop.
 std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                                                  at::TensorList kv_caches, const at::Tensor& slot_mapping,
                                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                                 at::TensorList norms, at::TensorList weights, at::TensorList panels,
+                                                 at::TensorList norms, at::IntArrayRef out_features,
+                                                 const c10::List<c10::optional<at::Tensor>>& plain,
+                                                 const c10::List<c10::optional<at::Tensor>>& panels,
                                                  const c10::List<c10::optional<at::Tensor>>& coded,
-                                                 at::TensorList packed, at::TensorList qkv_biases, int64_t num_heads,
+                                                 const c10::List<c10::optional<at::Tensor>>& onednn,
+                                                 at::TensorList qkv_biases, int64_t num_heads,
                                                  int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                                                  int64_t coded_m, int64_t onednn_m, int64_t large_m) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
-  TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L) && weights.size() == static_cast<size_t>(4 * L) &&
-                  panels.size() == weights.size() && coded.size() == weights.size() &&
-                  packed.size() == weights.size() &&
+  const size_t P = static_cast<size_t>(4 * L);
+  TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L) && out_features.size() == P && plain.size() == P &&
+                  panels.size() == P && coded.size() == P && onednn.size() == P &&
                   (qkv_biases.empty() || qkv_biases.size() == static_cast<size_t>(L)),
               "decode_layers: expected 2 norms and 4 weights per layer (and 0 or 1 qkv bias)");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decode_layers: h must be a contiguous [tokens, hidden]");
   const int64_t B = h.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const auto opts = h.options();
   const Gemms gemms{coded_m, onednn_m, large_m};
+  // NOTE: the List elements are read into locals once: `Forms` holds references to them.
+  std::vector<c10::optional<at::Tensor>> plain_v(plain.begin(), plain.end()), panels_v(panels.begin(), panels.end());
+  std::vector<c10::optional<at::Tensor>> coded_v(coded.begin(), coded.end()), onednn_v(onednn.begin(), onednn.end());
+  auto forms = [&](int64_t p) { return Forms{out_features[p], plain_v[p], panels_v[p], coded_v[p], onednn_v[p]}; };
   at::Tensor residual;
   for (int64_t l = 0; l < L; ++l) {
     at::Tensor x;
@@ -84,8 +103,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
       add_rms_norm(h, residual, norms[2 * l], eps);  // residual += h; h = norm(residual)
       x = h;
     }
-    at::Tensor qkv = project(gemms, x, weights[4 * l], panels[4 * l], coded[4 * l], packed[4 * l],
-                             qkv_biases.empty() ? c10::optional<at::Tensor>() : qkv_biases[l]);
+    at::Tensor qkv =
+        project(gemms, x, forms(4 * l), qkv_biases.empty() ? c10::optional<at::Tensor>() : qkv_biases[l]);
     rotary_embedding(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({B, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, head_dim});
@@ -93,14 +112,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
     store_kv(kv_caches[l], k, v, slot_mapping);
     at::Tensor attn = at::empty({B, num_heads, head_dim}, opts);
     paged_decode_attention(attn, q, kv_caches[l], block_tables, seq_lens, scale);
-    h = project(gemms, attn.view({B, q_size}), weights[4 * l + 1], panels[4 * l + 1], coded[4 * l + 1],
-                packed[4 * l + 1], c10::nullopt);
+    h = project(gemms, attn.view({B, q_size}), forms(4 * l + 1), c10::nullopt);
     add_rms_norm(h, residual, norms[2 * l + 1], eps);
-    at::Tensor gate_up =
-        project(gemms, h, weights[4 * l + 2], panels[4 * l + 2], coded[4 * l + 2], packed[4 * l + 2], c10::nullopt);
+    at::Tensor gate_up = project(gemms, h, forms(4 * l + 2), c10::nullopt);
     at::Tensor act = at::empty({B, gate_up.size(1) / 2}, opts);
     silu_and_mul(act, gate_up);
-    h = project(gemms, act, weights[4 * l + 3], panels[4 * l + 3], coded[4 * l + 3], packed[4 * l + 3], c10::nullopt);
+    h = project(gemms, act, forms(4 * l + 3), c10::nullopt);
   }
   return {h, residual};
 }
@@ -110,7 +127,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
-      "Tensor seq_lens, Tensor[] norms, Tensor[] weights, Tensor[] panels, Tensor?[] coded, Tensor[] packed, "
+      "Tensor seq_lens, Tensor[] norms, int[] out_features, Tensor?[] plain, Tensor?[] panels, Tensor?[] coded, "
+      "Tensor?[] onednn, "
       "Tensor[] qkv_biases, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int coded_m, "
       "int onednn_m, int large_m) -> (Tensor, Tensor)");
 }

@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.model.cpu_linear import CODED_M, CpuLinear
+from engine_core.model.cpu_linear import CODED_M, NEVER, ONEDNN_M, CpuGemmRows
+from engine_core.model.layers.gguf_codes import GgufCodesMethod
+from engine_core.model.layers.linear import Linear
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_gguf_decoded as gguf_decoded
 
@@ -93,17 +95,27 @@ def test_coded_linear_rejects_records_of_another_shape() -> None:
         cpu_kernels.coded_linear(torch.randn(2, 64), records[:, :, :100].contiguous(), 40, None)
 
 
-@pytest.mark.skipif(not cpu_kernels.coded_linear_vectorized(), reason="CpuLinear uses codes only with AVX-512")
-@pytest.mark.parametrize("rows", [1, CODED_M - 1, CODED_M, 200])
-def test_cpu_linear_reads_codes_below_coded_m_with_the_same_bits(rows: int) -> None:
+def _gguf_linear(w: torch.Tensor, b: torch.Tensor) -> Linear:
+    layer = Linear(w.shape[1], w.shape[0], bias=True)
+    layer.weight_loader(layer.weight, w)
+    layer.weight_loader(layer.bias, b)
+    layer.process_weights(GgufCodesMethod(CpuGemmRows(CODED_M, ONEDNN_M, NEVER)))
+    return layer
+
+
+@pytest.mark.parametrize("rows", [1, 31, 64, CODED_M - 1, CODED_M, 200])
+def test_a_gguf_linear_reads_codes_below_coded_m_with_the_panel_kernels_bits(rows: int) -> None:
     w, b = gguf_decoded(torch.randn(96, 64) * 0.1, "q4_1"), torch.randn(96)
-    layer = CpuLinear(w, b)
-    assert layer.coded is not None
+    layer = _gguf_linear(w, b)
+    forms = layer.cpu_forms
+    assert forms is not None and forms.coded is not None
+    assert forms.panels is None and forms.plain is None  # the codes serve every row below oneDNN
     x = torch.randn(rows, 64)
     if rows < CODED_M:
-        assert torch.equal(layer(x), cpu_kernels.panel_linear(x, layer.panels, 96, b))
+        assert torch.equal(layer(x), cpu_kernels.panel_linear(x, cpu_kernels.panel_pack(w), 96, b))
     torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
-    assert CpuLinear(torch.randn(96, 64), b).coded is None
+    plain = _gguf_linear(torch.randn(96, 64), b).cpu_forms
+    assert plain is not None and plain.coded is None and plain.panels is not None  # no codes: the float32 panels
 
 
 @pytest.mark.slow

@@ -6,8 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.model.cpu_linear import LARGE_M, ONEDNN_M, CpuLinear
-from engine_core.model.llama import RMSNorm, apply_rotary
+from engine_core.model.cpu_linear import LARGE_M, NEVER, ONEDNN_M, CpuGemmRows
+from engine_core.model.layers.cpu_float32 import CpuFloat32Method
+from engine_core.model.layers.layer_ops import NativeCpuOps, apply_rotary
+from engine_core.model.layers.linear import Linear
+from engine_core.model.llama import RMSNorm
 from kernels import cpu as cpu_kernels
 from kernels.reference import ref_store_kv
 
@@ -29,7 +32,7 @@ def test_add_rms_norm_matches_the_torch_module(with_residual: bool) -> None:
     x = torch.randn(33, 576) * 3
     residual = torch.randn(33, 576) if with_residual else None
     want_out, want_res = norm(x.clone(), None if residual is None else residual.clone())
-    norm.native = True
+    norm.ops = NativeCpuOps()
     got_out, got_res = norm(x.clone(), None if residual is None else residual.clone())
     torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_res, want_res)
@@ -78,10 +81,13 @@ def test_bad_inputs_are_rejected_with_the_op_name() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5, ONEDNN_M, LARGE_M - 1, LARGE_M])
-@pytest.mark.parametrize("onednn_from", [None, ONEDNN_M])
-def test_cpu_linear_every_path_gives_the_same_product(rows: int, onednn_from: int | None) -> None:
+@pytest.mark.parametrize(("onednn_m", "large_m"), [(NEVER, NEVER), (ONEDNN_M, LARGE_M), (0, LARGE_M), (0, NEVER)])
+def test_cpu_float32_linear_every_path_gives_the_same_product(rows: int, onednn_m: int, large_m: int) -> None:
     w, b = torch.randn(96, 64) * 0.1, torch.randn(96)
-    layer = CpuLinear(w, b, onednn_from=onednn_from)
+    layer = Linear(64, 96, bias=True)
+    layer.weight_loader(layer.weight, w)
+    layer.weight_loader(layer.bias, b)
+    layer.process_weights(CpuFloat32Method(CpuGemmRows(0, onednn_m, large_m)))
     x = torch.randn(rows, 64)
     torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 

@@ -1,0 +1,65 @@
+"""The resident forms of a CPU float32 linear weight and the row-count dispatch over them.
+
+One dispatch, read by both executions of a step: `cpu_gemm` (the layer loop) and kernels/cpu/decode_step.cpp (the
+native decode step, handed the same `CpuWeightForms` by model/native_decode.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine_core.model.cpu_linear import NEVER, CpuGemmRows
+from kernels import cpu as cpu_kernels
+
+
+@dataclass
+class CpuWeightForms:
+    """A weight `[out_features, in]` in each form some row count reads (None: no row count reaches it)."""
+
+    out_features: int
+    rows: CpuGemmRows
+    coded: torch.Tensor | None  # `coded_pack` records: rows below rows.coded_m
+    panels: torch.Tensor | None  # `panel_pack` panels: rows below rows.onednn_m without codes
+    onednn: torch.Tensor | None  # oneDNN packed: rows from rows.onednn_m
+    plain: torch.Tensor | None  # float32 [out, in] for MKL: rows from rows.large_m
+
+    def nbytes(self) -> int:
+        forms = (self.coded, self.panels, self.onednn, self.plain)
+        return sum(t.numel() * t.element_size() for t in forms if t is not None)
+
+
+def pack_forms(weight: torch.Tensor, rows: CpuGemmRows, coded: torch.Tensor | None) -> CpuWeightForms:
+    """The forms of `weight` that `rows` reaches; `coded`: its block codes, if it has them."""
+    n = weight.shape[0]
+    coded = coded if rows.coded_m > 0 else None
+    below_onednn_without_codes = rows.onednn_m > 1 and (coded is None or rows.coded_m < rows.onednn_m)
+    return CpuWeightForms(
+        out_features=n,
+        rows=rows,
+        coded=coded,
+        panels=cpu_kernels.panel_pack(weight) if below_onednn_without_codes else None,
+        # NOTE: no batch-size hint: one layout serves every row count (a hint of 1 or 2048 was slower elsewhere).
+        onednn=torch.ops.mkldnn._reorder_linear_weight(weight, None) if rows.onednn_m < rows.large_m else None,
+        plain=weight if rows.large_m < NEVER else None,
+    )
+
+
+def cpu_gemm(forms: CpuWeightForms, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + bias` through the form this row count reads (the same order as decode_step.cpp's `project`)."""
+    m = x.shape[0]
+    rows = forms.rows
+    if m < rows.onednn_m:
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if m < rows.coded_m and forms.coded is not None:
+            return cpu_kernels.coded_linear(x, forms.coded, forms.out_features, bias)
+        assert forms.panels is not None
+        return cpu_kernels.panel_linear(x, forms.panels, forms.out_features, bias)
+    if m >= rows.large_m:
+        assert forms.plain is not None
+        return nn.functional.linear(x, forms.plain, bias)
+    assert forms.onednn is not None
+    return torch.ops.mkldnn._linear_pointwise(x, forms.onednn, bias, "none", [], "")

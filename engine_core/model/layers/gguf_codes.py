@@ -1,0 +1,20 @@
+"""CPU linears whose float32 weight is exactly GGUF blocks decoded: kept as those codes (4 or 8 bits per weight).
+
+`coded_pack` (kernels/cpu/coded_linear.cpp) finds the Q4_1 / Q8_0 codes from the float32 weight alone and accepts
+them only if decoding gives every weight back bit for bit; rows below `rows.coded_m` read them with `coded_linear`,
+which gives the panel kernel's bits. A weight without codes keeps the float32 forms (cpu_float32.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine_core.model.layers.cpu_float32 import CpuFloat32Method
+from kernels import cpu as cpu_kernels
+
+
+class GgufCodesMethod(CpuFloat32Method):
+    name = "gguf-codes"
+
+    def codes(self, weight: torch.Tensor) -> torch.Tensor | None:
+        return cpu_kernels.coded_pack(weight) if self.rows.coded_m > 0 else None

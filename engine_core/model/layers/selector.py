@@ -1,0 +1,19 @@
+"""Which `LinearMethod` a model's linears get, from the device and dtype the runner serves."""
+
+from __future__ import annotations
+
+import torch
+
+from engine_core.model.cpu_linear import CpuGemmRows, can_pack
+from engine_core.model.layers.cpu_float32 import CpuFloat32Method
+from engine_core.model.layers.gguf_codes import GgufCodesMethod
+from engine_core.model.layers.linear import UNQUANTIZED, LinearMethod
+
+
+def select_linear_method(device: torch.device, dtype: torch.dtype, rows: CpuGemmRows | None = None) -> LinearMethod:
+    """CPU float32 (with oneDNN): the row-count dispatch, reading GGUF codes where a weight has them (`rows`: this
+    CPU's thresholds unless given); anything else: `F.linear` on the plain weight."""
+    if not can_pack(device, dtype):
+        return UNQUANTIZED
+    rows = rows or CpuGemmRows.for_this_cpu()
+    return GgufCodesMethod(rows) if rows.coded_m > 0 else CpuFloat32Method(rows)
