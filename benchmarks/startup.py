@@ -1,5 +1,6 @@
 """`pagoda serve` start-up: seconds from spawning it (its defaults, free loopback ports) to the first 1-token
-completion answered, as side_by_side.py times it, and the worker's `model loaded` seconds.
+completion answered, as side_by_side.py times it, the worker's `model loaded` seconds, and each service's peak RSS
+(VmHWM) at that point.
 
 `--evict` first drops the model's weight file from the page cache (POSIX_FADV_DONTNEED), as on a node that has not
 read it yet; how much that costs depends on the disk (docs/benchmarks.md, "Start-up", throttles it with a cgroup).
@@ -18,6 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import psutil
 from openai_load import OpenAIBackend
 from processes import Child
 
@@ -40,7 +42,26 @@ def model_load_seconds(log_dir: Path) -> float | None:
     return None
 
 
-async def start_once(args: argparse.Namespace, logs: Path, rnd: int) -> tuple[float, float | None]:
+SERVICES = ("frontend", "scheduler", "worker")
+
+
+def peak_rss_mb(pid: int) -> dict[str, int]:
+    """Each service's peak RSS (VmHWM, MB) among the processes under `pid`, by the module it runs."""
+    peaks: dict[str, int] = {}
+    for proc in psutil.Process(pid).children(recursive=True):
+        try:
+            cmd = " ".join(proc.cmdline())
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except (psutil.Error, OSError):
+            continue
+        name = next((s for s in SERVICES if f"services.{s}" in cmd or f" {s} " in f" {cmd} "), None)
+        hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+        if name is not None:
+            peaks[name] = max(peaks.get(name, 0), hwm // 1000)
+    return peaks
+
+
+async def start_once(args: argparse.Namespace, logs: Path, rnd: int) -> tuple[float, float | None, dict[str, int]]:
     from engine_core.checkpoint.model_files import model_name
     from services.launcher import free_port
 
@@ -52,10 +73,11 @@ async def start_once(args: argparse.Namespace, logs: Path, rnd: int) -> tuple[fl
     backend = OpenAIBackend("pagoda", f"http://127.0.0.1:{http}", model_name(args.model))
     try:
         ready = await backend.wait_ready(lambda: child.proc.poll() is None, args.timeout)
+        peaks = peak_rss_mb(child.proc.pid)
     finally:
         await backend.close()
         child.stop(timeout=30)
-    return ready - child.spawned_at, model_load_seconds(serve_logs)
+    return ready - child.spawned_at, model_load_seconds(serve_logs), peaks
 
 
 def main() -> None:
@@ -79,9 +101,9 @@ def main() -> None:
     for rnd in range(1, args.rounds + 1):
         if args.evict:
             evict(files)
-        seconds, load = asyncio.run(start_once(args, logs, rnd))
+        seconds, load, peaks = asyncio.run(start_once(args, logs, rnd))
         starts.append(seconds)
-        print(f"round {rnd}: ready after {seconds:.2f} s (worker: model loaded in {load} s)", flush=True)
+        print(f"round {rnd}: ready after {seconds:.2f} s (worker: model loaded in {load} s); peak RSS MB {peaks}")
     print(f"median {statistics.median(starts):.2f} s over {len(starts)} starts{' (weights evicted)' * args.evict}")
 
 
