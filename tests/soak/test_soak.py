@@ -68,6 +68,26 @@ def _kill_and_restart_worker(cluster: LocalCluster, traffic: Traffic) -> None:
     traffic.outage_ends()
 
 
+def _force_preemption(client: GenerationClient, vocab: int) -> None:
+    """Four greedy sequences of 128 + 120 tokens at once need 64 blocks of the pool's 40: preemption is certain,
+    whatever the random traffic happens to draw in a short run."""
+    rng = random.Random(1234)
+    lengths: list[int] = []
+
+    def long_request(i: int) -> None:
+        ids = generation_pb2.TokenIds(ids=[rng.randrange(vocab) for _ in range(128)])
+        opts = common_pb2.SamplingOptions(max_tokens=120, ignore_eos=True, temperature=0.0)
+        result = client.generate(generation_pb2.GenerateRequest(token_ids=ids, sampling=opts, request_id=f"long-{i}"))
+        lengths.append(len(result.choices[0].token_ids))
+
+    burst = [threading.Thread(target=long_request, args=(i,)) for i in range(4)]
+    for t in burst:
+        t.start()
+    for t in burst:
+        t.join(300)
+    assert lengths == [120] * 4, lengths
+
+
 def _rss(cluster: LocalCluster) -> dict[str, int]:
     return {s.name: rss_bytes(s.process.pid) for s in cluster.services}
 
@@ -78,6 +98,7 @@ def test_soak(soak_cluster: LocalCluster) -> None:
         grpc.insecure_channel(soak_cluster.frontend_addr, options=UNREAD_CLIENT_OPTIONS) as unread_channel,
     ):
         vocab = client.model_info().vocab_size
+        _force_preemption(client, vocab)
         traffic = Traffic(
             client, generation_pb2_grpc.GenerationStub(unread_channel), soak_cluster.http_url, vocab, SEND_TIMEOUT_S
         )
