@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from engine_core import LLM
-from engine_core.model.cpu_linear import NEVER, ONEDNN_M, CpuGemmRows
 from engine_core.model.layers.cpu_float32 import CpuFloat32Method
+from engine_core.model.layers.cpu_gemm_rows import NEVER, ONEDNN_M, CpuGemmRows
 from engine_core.model.layers.linear import UNQUANTIZED, Linear
 from kernels import cpu as cpu_kernels
 from tests.test_model_families import _tiny

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine_core import LLM, SamplingParams
-from engine_core.model.cpu_linear import NEVER, CpuGemmRows
+from engine_core.model.layers.cpu_gemm_rows import NEVER, CpuGemmRows
 from engine_core.model.layers.linear import UNQUANTIZED, Linear, process_linear_weights
 from engine_core.model.layers.selector import select_linear_method
 from engine_core.model.loader import iter_weights

@@ -20,7 +20,7 @@ from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
 from engine_core.host_cpus import usable_cpus
-from engine_core.model.cpu_linear import CpuGemmRows, can_pack
+from engine_core.model.layers.cpu_gemm_rows import CpuGemmRows, can_pack
 from engine_core.model.layers.layer_ops import select_layer_ops
 from engine_core.model.layers.linear import process_linear_weights
 from engine_core.model.layers.selector import select_linear_method

@@ -211,7 +211,7 @@ void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records
   const int64_t ldx = x.stride(0), P = records.size(0), panel_bytes = (K / kBlock) * record_bytes(bits);
   const Micro* micros = bits == 4 ? kMicro<4> : kMicro<8>;
   // Row blocks as even as possible; every block decodes the panel again, so the caller keeps this kernel to the
-  // few rows where decoding is cheaper than streaming float32 weights (model/cpu_linear.py, CODED_M).
+  // few rows where decoding is cheaper than streaming float32 weights (model/layers/cpu_gemm_rows.py, CODED_M).
   const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, base = M / blocks, extra = M % blocks;
   at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) {
     float tmp[kMaxRows * kCols];

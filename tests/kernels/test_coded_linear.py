@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.model.cpu_linear import CODED_M, NEVER, ONEDNN_M, CpuGemmRows
+from engine_core.model.layers.cpu_gemm_rows import CODED_M, NEVER, ONEDNN_M, CpuGemmRows
 from engine_core.model.layers.gguf_codes import GgufCodesMethod
 from engine_core.model.layers.linear import Linear
 from kernels import cpu as cpu_kernels

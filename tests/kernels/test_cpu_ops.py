@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_core.model.cpu_linear import LARGE_M, NEVER, ONEDNN_M, CpuGemmRows
 from engine_core.model.layers.cpu_float32 import CpuFloat32Method
+from engine_core.model.layers.cpu_gemm_rows import LARGE_M, NEVER, ONEDNN_M, CpuGemmRows
 from engine_core.model.layers.layer_ops import NativeCpuOps, apply_rotary
 from engine_core.model.layers.linear import Linear
 from engine_core.model.llama import RMSNorm

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.model.cpu_linear import CpuGemmRows
 from engine_core.model.layers.cpu_forms import cpu_gemm, pack_forms
+from engine_core.model.layers.cpu_gemm_rows import CpuGemmRows
 from engine_core.model.layers.linear import Linear, LinearMethod
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine_core.model.cpu_linear import NEVER, CpuGemmRows
+from engine_core.model.layers.cpu_gemm_rows import NEVER, CpuGemmRows
 from kernels import cpu as cpu_kernels
 
 

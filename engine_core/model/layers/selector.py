@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.model.cpu_linear import CpuGemmRows, can_pack
 from engine_core.model.layers.cpu_float32 import CpuFloat32Method
+from engine_core.model.layers.cpu_gemm_rows import CpuGemmRows, can_pack
 from engine_core.model.layers.gguf_codes import GgufCodesMethod
 from engine_core.model.layers.linear import UNQUANTIZED, LinearMethod
 
