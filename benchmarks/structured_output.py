@@ -129,7 +129,7 @@ def backends(args: argparse.Namespace) -> None:
             llg_numpy.fill_next_token_bitmask(m, buf, 0)
             return buf[0]
 
-        ts = walk(fill, m.consume_token, vocab)
+        ts = walk(fill, lambda t, m=m: m.consume_token(t) and not m.is_stopped(), vocab)
         print(
             f"llguidance schema {i}: compile {compile_ms:.2f} ms, first mask {ts[0] * 1e3:.3f} ms, "
             f"median mask {statistics.median(ts) * 1e6:.1f} us"
@@ -155,7 +155,7 @@ def backends(args: argparse.Namespace) -> None:
             xm.fill_next_token_bitmask(xbuf, 0)
             return xbuf[0].numpy()
 
-        ts = walk(xfill, xm.accept_token, vocab)
+        ts = walk(xfill, lambda t, xm=xm: xm.accept_token(t) and not xm.is_terminated(), vocab)
         print(
             f"xgrammar   schema {i}: compile {compile_ms:.2f} ms, first mask {ts[0] * 1e3:.3f} ms, "
             f"median mask {statistics.median(ts) * 1e6:.1f} us"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -17,6 +18,16 @@ from engine_core.structured_output.params import StructuredOutputsParams
 
 class StructuredOutputError(Exception):
     """A request's constraint cannot go on (it failed to compile, or its grammar allows no token)."""
+
+
+@dataclass(frozen=True)
+class GrammarCompile:
+    """One matcher made for a sequence (for metrics and the step's span): compiled, or copied from the cache."""
+
+    kind: str  # ConstraintKind value
+    seconds: float
+    cache_hit: bool
+    start: float  # time.perf_counter()
 
 
 class GrammarMatcher(ABC):

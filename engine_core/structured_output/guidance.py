@@ -18,7 +18,12 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
-from engine_core.structured_output.backend import GrammarMatcher, StructuredOutputBackend, StructuredOutputError
+from engine_core.structured_output.backend import (
+    GrammarCompile,
+    GrammarMatcher,
+    StructuredOutputBackend,
+    StructuredOutputError,
+)
 from engine_core.structured_output.grammar import field_name, parser_limits, to_grammar
 from engine_core.structured_output.params import StructuredOutputsParams
 
@@ -43,9 +48,9 @@ class GuidanceBackend(StructuredOutputBackend):
         tokenizer_json: Path,
         vocab_size: int,
         eos_token_id: int | None,
-        on_compile: Callable[[StructuredOutputsParams, float, bool], None] | None = None,
+        on_compile: Callable[[GrammarCompile], None] | None = None,
     ) -> None:
-        """`on_compile(params, seconds, cache_hit)` is told about every matcher made (metrics)."""
+        """`on_compile` is told about every matcher made (metrics, the step's span); it runs on the step's thread."""
         self.vocab_size = vocab_size
         self._tokenizer: Future[llguidance.LLTokenizer] = Future()
         self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
@@ -85,7 +90,7 @@ class GuidanceBackend(StructuredOutputBackend):
             self._cache.move_to_end(key)
         matcher = GuidanceMatcher(template.deep_copy())
         if self.on_compile is not None:
-            self.on_compile(params, time.perf_counter() - t0, hit)
+            self.on_compile(GrammarCompile(params.kind.value, time.perf_counter() - t0, hit, t0))
         return matcher
 
     def fill_masks(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import time
+import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -14,12 +16,22 @@ import jsonschema
 import openai
 import pydantic
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
 
+from engine_core import StructuredOutputsParams
 from engine_core.io.tokenizer import Tokenizer
+from engine_core.step_timings import StepTimings
+from engine_core.structured_output.backend import GrammarCompile
+from engine_core.structured_output.guidance import backend_for_model
 from services.client import GenerationClient
 from services.frontend.http_guard import HttpConnectionLimits
 from services.launcher import LocalCluster
-from services.rpc import common_pb2, generation_pb2, scheduler_pb2_grpc
+from services.rpc import common_pb2, generation_pb2, scheduler_pb2_grpc, worker_pb2
+from services.worker.metrics import WorkerMetrics
+from services.worker.tracing import record_execute
 from tests.services.conftest import stats
 from tests.services.http_frontend import http_frontend, post_json
 
@@ -180,6 +192,10 @@ def test_openai_json_schema_regex_choice_through_the_services(
     assert bad.value.body["param"] == "structured_outputs.json"  # type: ignore[index]
     s = stats(scheduler_stats)
     assert s.free_blocks == s.total_blocks and s.running == 0 and s.waiting == 0
+    with urllib.request.urlopen(f"{cluster.http_url}/metrics", timeout=30) as answer:
+        scrape = answer.read().decode()
+    assert re.search(r'pagoda:structured_output_requests_total\{kind="json",model_name="[^"]+"\} [1-9]', scrape)
+    assert re.search(r'pagoda:structured_output_requests_total\{kind="choice",model_name="[^"]+"\} [1-9]', scrape)
 
 
 @pytest.mark.slow
@@ -193,3 +209,36 @@ def test_grpc_generate_takes_the_oneof(client: GenerationClient) -> None:
         client.generate(generation_pb2.GenerateRequest(text="x", sampling=bad))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("structured_outputs.regex")  # type: ignore[union-attr]
+
+
+# ---- metrics and the compile span event ----------------------------------------------------------------------------
+def test_worker_metrics_and_span_event_for_compiles(smollm2_dir: str) -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, "m")
+    compiles: list[GrammarCompile] = []
+    backend = backend_for_model(smollm2_dir, 49152, 2)
+    assert backend is not None
+    backend.on_compile = compiles.append
+    so = StructuredOutputsParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    backend.matcher(so)
+    backend.matcher(so)  # the compiled grammar is cached by key
+    backend.matcher(StructuredOutputsParams(choice=["x", "y"]))
+    assert [(c.kind, c.cache_hit) for c in compiles] == [("json", False), ("json", True), ("choice", False)]
+    for event in compiles:
+        metrics.observe_grammar(event)
+    sample = registry.get_sample_value
+    assert sample("pagoda:structured_output_matchers_total", {"model_name": "m", "kind": "json", "cache": "hit"}) == 1
+    assert sample("pagoda:structured_output_matchers_total", {"model_name": "m", "kind": "json", "cache": "miss"}) == 1
+    assert sample("pagoda:structured_output_compile_seconds_count", {"model_name": "m"}) == 3
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    request = worker_pb2.ExecuteRequest(step=3)
+    request.trace.traceparent = "00-" + "ab" * 16 + "-" + "cd" * 8 + "-01"
+    now = time.perf_counter()
+    timings = StepTimings(start=now - 0.01, forward_start=now - 0.008, sample_start=now - 0.002, end=now)
+    record_execute(provider.get_tracer("t"), request, timings, 0, now, compiles)
+    (execute,) = [s for s in exporter.get_finished_spans() if s.name == "Execute"]
+    events = [e for e in execute.events if e.name == "structured_output.compile"]
+    assert [e.attributes["pagoda.structured_output.kind"] for e in events] == ["json", "json", "choice"]  # type: ignore[index]
