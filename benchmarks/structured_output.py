@@ -134,6 +134,17 @@ def backends(args: argparse.Namespace) -> None:
             f"llguidance schema {i}: compile {compile_ms:.2f} ms, first mask {ts[0] * 1e3:.3f} ms, "
             f"median mask {statistics.median(ts) * 1e6:.1f} us"
         )
+    from engine_core.structured_output.guidance import backend_for_model
+
+    backend = backend_for_model(model_dir, vocab, 2)
+    assert backend is not None
+    backend.matcher(StructuredOutputsParams(json=SCHEMAS[0]))  # the miss (and the tokenizer's load)
+    hits = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        backend.matcher(StructuredOutputsParams(json=SCHEMAS[0]))
+        hits.append(time.perf_counter() - t0)
+    print(f"GuidanceBackend.matcher on a cache hit: median {statistics.median(hits) * 1e6:.1f} us")
     try:
         import xgrammar
         from transformers import AutoTokenizer
