@@ -167,6 +167,8 @@ class ModelRunner:
         NOTE: a step that raised may have left the batch half-updated (a row in the batch but not in the sampling
         state, or the reverse); rebuilding both is the only reset that cannot leave a poisoned row behind."""
         max_rows = self.config.max_num_seqs
+        if hasattr(self, "sampling"):
+            self.sampling.structured_output.close()  # its mask thread, if it started one
         self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, self.config.block_size)
         self.sampling = SamplingBatch(
             self.info.vocab_size, self.device, max_rows, seed=self.config.seed, grammar_backend=self.grammar_backend
