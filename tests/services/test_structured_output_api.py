@@ -21,12 +21,13 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
-from engine_core import StructuredOutputsParams
+from engine_core import SamplingParams, StructuredOutputsParams
 from engine_core.io.tokenizer import Tokenizer
 from engine_core.step_timings import StepTimings
 from engine_core.structured_output.backend import GrammarCompile
 from engine_core.structured_output.guidance import backend_for_model
 from services.client import GenerationClient
+from services.convert.params import params_from_proto, params_to_proto
 from services.frontend.http_guard import HttpConnectionLimits
 from services.launcher import LocalCluster
 from services.rpc import common_pb2, generation_pb2, scheduler_pb2_grpc, worker_pb2
@@ -242,3 +243,23 @@ def test_worker_metrics_and_span_event_for_compiles(smollm2_dir: str) -> None:
     (execute,) = [s for s in exporter.get_finished_spans() if s.name == "Execute"]
     events = [e for e in execute.events if e.name == "structured_output.compile"]
     assert [e.attributes["pagoda.structured_output.kind"] for e in events] == ["json", "json", "choice"]  # type: ignore[index]
+
+
+def test_sampling_options_round_trip_every_kind() -> None:
+    for so in (
+        StructuredOutputsParams(json={"type": "object"}, disable_any_whitespace=True),
+        StructuredOutputsParams(json='{"type": "array"}', whitespace_pattern="[ ]?"),
+        StructuredOutputsParams(regex="[a-z]+"),
+        StructuredOutputsParams(choice=["a", "b c"]),
+        StructuredOutputsParams(grammar='start: "x"'),
+        StructuredOutputsParams(json_object=True),
+    ):
+        back = params_from_proto(params_to_proto(SamplingParams(structured_outputs=so)), internal=True)
+        assert back.structured_outputs is not None
+        assert back.structured_outputs.key == so.key
+    with pytest.raises(ValueError, match=r"^structured_outputs must set exactly one"):
+        params_from_proto(common_pb2.SamplingOptions(structured_outputs=common_pb2.StructuredOutputs()))
+    with pytest.raises(ValueError, match=r"^structured_outputs\.json_object must be true"):
+        params_from_proto(
+            common_pb2.SamplingOptions(structured_outputs=common_pb2.StructuredOutputs(json_object=False))
+        )
