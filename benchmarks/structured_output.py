@@ -82,10 +82,13 @@ def engine(args: argparse.Namespace) -> None:
     results: dict[str, list[float]] = {k: [] for k in ("64 plain", "64 schema", "1 plain", "1 schema")}
     for _ in range(args.rounds):
         for constrained in (False, True):
+            arm = "schema" if constrained else "plain"
             tokens, wall = run(llm, 64, constrained, args.max_tokens)
-            results["64 schema" if constrained else "64 plain"].append(tokens / wall)
+            results[f"64 {arm}"].append(tokens / wall)
+            print(f"64 {arm}: {tokens} tokens in {wall:.1f} s", flush=True)
             tokens, wall = run(llm, 1, constrained, args.max_tokens)
-            results["1 schema" if constrained else "1 plain"].append(wall / tokens * 1e3)
+            results[f"1 {arm}"].append(wall / tokens * 1e3)
+            print(f"1 {arm}: {tokens} tokens in {wall:.2f} s", flush=True)
     for name, values in results.items():
         unit = "tok/s" if name.startswith("64") else "ms/token"
         print(f"{name:10s} median {statistics.median(values):8.2f} {unit}  runs {[round(v, 2) for v in values]}")
