@@ -8,6 +8,9 @@ import numbers
 import struct
 from dataclasses import dataclass, field
 
+from engine_core.structured_output import grammar as structured_grammar
+from engine_core.structured_output.params import StructuredOutputsParams
+
 # NOTE: temperatures below this are treated as greedy, as in vLLM: dividing logits by ~0 overflows.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -60,6 +63,9 @@ class SamplingParams:
     # the only tokens a step may sample.
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    # The output's constraint (JSON schema, regex, choice, grammar, any JSON object): every sampled token keeps the
+    # output a prefix of something it accepts (engine_core/structured_output).
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine, not the user: the eos id of the tokenizer (ignored when ignore_eos), and the bad words as
     # token-id sequences (io/bad_words.py), which is the form the sampler uses.
     eos_token_id: int | None = field(default=None, repr=False)
@@ -129,6 +135,9 @@ class SamplingParams:
                 raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise bad("structured_outputs", f"must be a StructuredOutputsParams, got {type(so).__name__}")
 
     def _validate_token_lists(self) -> None:
         words = self.bad_words
@@ -197,7 +206,10 @@ def with_eos(
     bad_words_token_ids: list[list[int]] | None = None,
 ) -> SamplingParams:
     """A copy of the user's params that knows the model's EOS id and its bad words as token ids (the user's object
-    is left untouched). Raises ValueError naming the field when a token id is outside the vocabulary."""
+    is left untouched). Raises ValueError naming the field when a token id is outside the vocabulary, or when the
+    structured_outputs constraint does not compile (checked here, before the request reaches the engine)."""
     copy = dataclasses.replace(params, eos_token_id=eos_token_id, bad_words_token_ids=bad_words_token_ids)
     copy.validate_vocab(vocab_size)
+    if copy.structured_outputs is not None:
+        structured_grammar.check(copy.structured_outputs)
     return copy

@@ -67,3 +67,33 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tiny-llama")
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: str) -> Path:
+    """A 2-layer random Llama with SmolLM2's tokenizer and full vocabulary (49152): for what needs real token text
+    (grammars) at the speed of a tiny model."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-vocab-llama")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(smollm2_dir) / name, path / name)
+    return path

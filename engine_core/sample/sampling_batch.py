@@ -22,7 +22,9 @@ from engine_core.sample.logit_bias import LogitBiasProcessor
 from engine_core.sample.logits_processor import AddedRow, BatchUpdate, BoundProcessor, LogitsProcessor
 from engine_core.sample.min_tokens import MinTokensProcessor
 from engine_core.sample.penalties import PenaltiesProcessor
+from engine_core.sample.structured_output import StructuredOutputProcessor
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output.backend import StructuredOutputBackend
 
 _MASK64 = (1 << 64) - 1
 
@@ -104,7 +106,15 @@ PROCESSOR_TYPES: tuple[type[LogitsProcessor], ...] = (
 
 
 class SamplingBatch:
-    def __init__(self, vocab_size: int, device: torch.device | str, max_rows: int, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        vocab_size: int,
+        device: torch.device | str,
+        max_rows: int,
+        seed: int | None = None,
+        grammar_backend: StructuredOutputBackend | None = None,
+    ) -> None:
+        """`grammar_backend` compiles structured_outputs constraints; None: a constrained request fails alone."""
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.max_rows = max_rows
@@ -116,7 +126,10 @@ class SamplingBatch:
             self.shared_generator.seed()
         else:
             self.shared_generator.manual_seed(seed)
-        self.processors = [cls(vocab_size, self.device, max_rows) for cls in PROCESSOR_TYPES]
+        # NOTE: the grammar's mask goes first, as vLLM applies its bitmask before every other processor.
+        self.structured_output = StructuredOutputProcessor(vocab_size, self.device, max_rows, grammar_backend)
+        self.processors: list[LogitsProcessor] = [self.structured_output]
+        self.processors += [cls(vocab_size, self.device, max_rows) for cls in PROCESSOR_TYPES]
         self._cached_ids: list[int] | None = None
         self._cached_id_set: set[int] = set()
         self._cached: SamplingMetadata | None = None

@@ -31,6 +31,7 @@ from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from engine_core.sample.sampler import FAILED_TOKEN, Sampler, compute_logprobs
 from engine_core.sample.sampling_batch import SamplingBatch
 from engine_core.step_timings import StepTimings
+from engine_core.structured_output.guidance import backend_for_model
 from engine_core.worker.cuda_graphs import CudaGraphDecodeStep, capture_sizes
 from engine_core.worker.device_inputs import DeviceInputs, step_input_specs
 from engine_core.worker.host_memory import zeroed_host_tensor
@@ -142,6 +143,8 @@ class ModelRunner:
         self._kv_whole: torch.Tensor | None = None  # CPU: the one mapping under every layer's view
         self._prefaulter: KvPrefaulter | None = None  # CPU: faults the KV cache in between steps (kv_prefault.py)
         self.sampler = Sampler()
+        # NOTE: kept across reset(): the tokenizer (loading in the background from here) and the compiled grammars.
+        self.grammar_backend = backend_for_model(model_dir, hf.vocab_size, getattr(hf, "eos_token_id", None))
         self.last_timings = StepTimings()  # of the latest execute(); read by the worker service for its spans
         self.max_blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
         self.reset()
@@ -164,8 +167,12 @@ class ModelRunner:
         NOTE: a step that raised may have left the batch half-updated (a row in the batch but not in the sampling
         state, or the reverse); rebuilding both is the only reset that cannot leave a poisoned row behind."""
         max_rows = self.config.max_num_seqs
+        if hasattr(self, "sampling"):
+            self.sampling.structured_output.close()  # its mask thread, if it started one
         self.batch = InputBatch(max_rows, self.max_model_len, self.max_blocks_per_seq, self.config.block_size)
-        self.sampling = SamplingBatch(self.info.vocab_size, self.device, max_rows, seed=self.config.seed)
+        self.sampling = SamplingBatch(
+            self.info.vocab_size, self.device, max_rows, seed=self.config.seed, grammar_backend=self.grammar_backend
+        )
         self._prompt_logprob_seqs: set[int] = set()
 
     def _cuda_graph_step(self, num_kv_heads: int) -> CudaGraphDecodeStep:

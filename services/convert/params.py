@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine_core.sampling_params import SamplingParams
+from services.convert.structured_outputs import structured_outputs_from_proto, structured_outputs_to_proto
 from services.rpc import common_pb2
 
 # Optional scalar fields that map 1:1 onto SamplingParams attributes.
@@ -46,6 +47,8 @@ def params_from_proto(opts: common_pb2.SamplingOptions, *, internal: bool = Fals
         kwargs["bad_words"] = list(opts.bad_words)
     if opts.allowed_token_ids:
         kwargs["allowed_token_ids"] = list(opts.allowed_token_ids)
+    if opts.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from_proto(opts.structured_outputs)
     if internal and opts.bad_words_token_ids:
         kwargs["bad_words_token_ids"] = [list(seq.token_ids) for seq in opts.bad_words_token_ids]
     params = SamplingParams(**kwargs)  # type: ignore[arg-type]
@@ -82,4 +85,6 @@ def params_to_proto(params: SamplingParams, *, with_stop_strings: bool = True) -
         opts.bad_words_token_ids.add(token_ids=seq)
     if params.eos_token_id is not None:
         opts.eos_token_id = params.eos_token_id
+    if params.structured_outputs is not None:
+        structured_outputs_to_proto(params.structured_outputs, opts.structured_outputs)
     return opts

@@ -68,6 +68,9 @@ class RequestMetrics:
         )
         for rejection in Rejection:  # NOTE: every series from 0, so rate() and alerts see the first one
             self.rejections.labels(m, *rejection.value)
+        self.structured_output = counter(
+            "structured_output_requests", "Requests with an output constraint, by kind.", ("kind",)
+        )
         token_buckets = buckets_1_2_5(max_model_len)
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt tokens per request.", token_buckets
@@ -78,6 +81,9 @@ class RequestMetrics:
 
     def observe_rejection(self, rejection: Rejection) -> None:
         self.rejections.labels(self.model_name, *rejection.value).inc()
+
+    def observe_structured_output(self, kind: str) -> None:
+        self.structured_output.labels(self.model_name, kind).inc()
 
     def observe_tokens(self, since_last_token_s: float) -> None:
         self.itl.observe(since_last_token_s)

@@ -19,6 +19,7 @@ from services.frontend.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
+from services.frontend.openai_structured import structured_outputs
 from services.frontend.request import ChatMessage, GenerateInput, PromptInput, RequestError, Usage
 
 _TOKEN_ID = re.compile(r"0|-?[1-9][0-9]*")
@@ -57,6 +58,7 @@ def _params(
         kwargs["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     kwargs["max_tokens"] = max_tokens
     kwargs["logprobs"] = logprobs
+    kwargs["structured_outputs"] = structured_outputs(req.response_format, req.structured_outputs)
     try:
         return SamplingParams(**kwargs)  # type: ignore[arg-type]
     except ValueError as e:
@@ -105,8 +107,6 @@ def completion_inputs(
 def chat_input(req: ChatCompletionRequest, trace: TraceContext, request_id: str, tenant: str = "") -> GenerateInput:
     if req.tools or req.tool_choice not in (None, "none"):
         raise RequestError.invalid("tools are not supported")
-    if req.response_format is not None and req.response_format.get("type") not in (None, "text"):
-        raise RequestError.invalid("response_format: only {'type': 'text'} is supported")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise RequestError.invalid("max_completion_tokens and max_tokens are exclusive: set one")
     if req.top_logprobs is not None and not req.logprobs:

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from services.frontend.openai_structured import ResponseFormat, StructuredOutputsRequest
+
 
 def _check_unicode(value: object) -> None:
     if isinstance(value, str):
@@ -71,6 +73,9 @@ class _SamplingFields(_Request):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    # structured output (services/frontend/openai_structured.py): OpenAI's response_format, vLLM's structured_outputs
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -101,7 +106,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    response_format: dict[str, object] | None = None
     tools: list[dict[str, object]] | None = None
     tool_choice: str | dict[str, object] | None = None
     parallel_tool_calls: bool | None = None

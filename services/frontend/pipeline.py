@@ -139,6 +139,8 @@ class RequestPipeline:
                     words = inp.params.bad_words
                     bad_words = await loop.run_in_executor(self._tokenize_pool, self.tokenizer.bad_words, words)
                 params = with_eos(inp.params, self.model.eos_token_id, self.model.vocab_size, bad_words)
+                if params.structured_outputs is not None and self.metrics is not None:
+                    self.metrics.observe_structured_output(params.structured_outputs.kind.value)
             except ValueError as e:
                 raise RequestError.invalid(str(e)) from e
         except RequestError as e:

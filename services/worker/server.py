@@ -18,6 +18,7 @@ import grpc
 import structlog
 
 from engine_core.checkpoint.model_files import model_name, resolve_model_dir
+from engine_core.structured_output.backend import GrammarCompile
 from engine_core.worker.host_allocator import retain_freed_memory
 from engine_core.worker.model_runner import ModelRunner
 from services.common.grpc_opts import SERVER_OPTIONS
@@ -61,11 +62,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.last_step_at = time.monotonic()
         # NOTE: one thread owns the runner: steps are strictly ordered and torch runs outside the event loop.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
+        self._compiles: list[GrammarCompile] = []  # the step's grammar matchers (the step thread's)
 
     def load(self) -> None:
         engine = self.config.engine
         self.model_dir = resolve_model_dir(engine.model, engine.cache_dir)
         self.runner = ModelRunner(engine, self.model_dir)
+        if self.runner.grammar_backend is not None:
+            self.runner.grammar_backend.on_compile = self._compiles.append
 
     async def Profile(
         self, request: worker_pb2.ProfileRequest, context: grpc.aio.ServicerContext
@@ -176,10 +180,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         resp = result_to_proto(out) if request.return_samples else worker_pb2.ExecuteResponse()
         end = time.perf_counter()
         resp.execute_s = end - t0
+        compiles, self._compiles[:] = list(self._compiles), []
         if self.metrics is not None:
             self.metrics.observe_step(resp.execute_s, len(request.scheduled_seq_ids), plan.total_num_scheduled_tokens)
+            for event in compiles:
+                self.metrics.observe_grammar(event)
         if self.telemetry is not None and request.trace.traceparent:
-            record_execute(self.telemetry.tracer, request, self.runner.last_timings, self.rank, end)
+            record_execute(self.telemetry.tracer, request, self.runner.last_timings, self.rank, end, compiles)
         return resp
 
 

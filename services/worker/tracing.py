@@ -11,15 +11,22 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from engine_core.step_timings import StepTimings
+from engine_core.structured_output.backend import GrammarCompile
 from services.common.timeutil import perf_counter_to_ns
 from services.common.trace import TraceContext, span_context_of
 from services.rpc import worker_pb2
 
 
 def record_execute(
-    tracer: trace.Tracer, request: worker_pb2.ExecuteRequest, timings: StepTimings, rank: int, end: float
+    tracer: trace.Tracer,
+    request: worker_pb2.ExecuteRequest,
+    timings: StepTimings,
+    rank: int,
+    end: float,
+    compiles: list[GrammarCompile] | None = None,
 ) -> None:
-    """Exports the span of a finished step (`end` is its time.perf_counter() when the response was ready)."""
+    """Exports the span of a finished step (`end` is its time.perf_counter() when the response was ready), with an
+    event per grammar matcher the step made (`structured_output.compile`)."""
     parent = span_context_of(TraceContext.from_proto(request.trace))
     if parent is None:
         return
@@ -45,4 +52,8 @@ def record_execute(
             tracer.start_span(name, context=inner, start_time=perf_counter_to_ns(t0)).end(
                 end_time=perf_counter_to_ns(t1)
             )
+    for c in compiles or []:
+        attrs_c = {"pagoda.structured_output.kind": c.kind, "pagoda.structured_output.cache_hit": c.cache_hit}
+        attrs_c["pagoda.structured_output.compile_s"] = c.seconds
+        span.add_event("structured_output.compile", attributes=attrs_c, timestamp=perf_counter_to_ns(c.start))
     span.end(end_time=perf_counter_to_ns(end))
