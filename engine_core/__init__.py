@@ -7,9 +7,17 @@ from typing import Any
 
 from engine_core.config import EngineConfig
 from engine_core.io.request_output import CompletionOutput, Logprob, RequestOutput
-from engine_core.sampling_params import SamplingParams
+from engine_core.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name: str) -> Any:

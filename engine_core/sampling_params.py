@@ -36,6 +36,28 @@ def _is_number(value: object) -> bool:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """A constraint on the output (vLLM's name and fields): exactly one of a JSON schema (`json`, a dict or its JSON
+    text), a regex, a list of choices, a grammar or any JSON object. The structured-output engine enforces it."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [self.json is not None, self.regex is not None, self.choice is not None, self.grammar is not None]
+        if sum(given) + bool(self.json_object) != 1:
+            raise ValueError(
+                "structured_outputs must set exactly one of json, regex, choice, grammar or json_object, "
+                f"got {sum(given) + bool(self.json_object)}"
+            )
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -60,6 +82,7 @@ class SamplingParams:
     # the only tokens a step may sample.
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the engine, not the user: the eos id of the tokenizer (ignored when ignore_eos), and the bad words as
     # token-id sequences (io/bad_words.py), which is the form the sampler uses.
     eos_token_id: int | None = field(default=None, repr=False)

@@ -46,6 +46,7 @@ from services.frontend.openai_protocol import (
 from services.frontend.pipeline import RequestPipeline
 from services.frontend.request import ErrorCode, FinalInfo, PreparedRequest, RequestError, StreamEvent, Usage
 from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT, SseResponse
+from services.frontend.tool_calls import ChoiceTools, ToolPlan, ToolSettings, delta_calls, plan_tools, whole_message
 
 HTTP_STATUS = {
     ErrorCode.INVALID_ARGUMENT: 400,
@@ -132,12 +133,18 @@ async def _start_sse(chunks: AsyncIterator[str], send_timeout: float, request_id
 
 class OpenAIRoutes:
     def __init__(
-        self, pipeline: RequestPipeline, is_serving: Callable[[], bool], keys: ApiKeys, send_timeout: float
+        self,
+        pipeline: RequestPipeline,
+        is_serving: Callable[[], bool],
+        keys: ApiKeys,
+        send_timeout: float,
+        tools: ToolSettings,
     ) -> None:
         self.pipeline = pipeline
         self.is_serving = is_serving
         self.keys = keys
         self.send_timeout = send_timeout
+        self.tools = tools
 
     def _tenant(self, request: Request) -> str:
         return self.keys.tenant(request.headers.items())
@@ -288,13 +295,14 @@ class OpenAIRoutes:
             tenant = self._tenant(request)
             self._check_model(body.model)
             rid = body.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-            prepared = await self.pipeline.prepare(chat_input(body, self._trace(request), rid, tenant))
+            plan = plan_tools(body, self.tools, self.pipeline.limits)
+            prepared = await self.pipeline.prepare(chat_input(body, self._trace(request), rid, tenant, plan))
         except RequestError as e:
             return error_response(e)
         cid = f"chatcmpl-{rid}"
         top_k = body.top_logprobs or 0
         if body.stream:
-            return await _start_sse(self._chat_stream(body, cid, prepared, top_k), self.send_timeout, rid)
+            return await _start_sse(self._chat_stream(body, cid, prepared, top_k, plan), self.send_timeout, rid)
         try:
             finals = await self._collect_all(request, [prepared])
         except RequestError as e:
@@ -302,24 +310,29 @@ class OpenAIRoutes:
         if finals is None:
             return Response(status_code=499)
         final = finals[0]
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessageOut(content=c.text),
-                logprobs=chat_logprobs(c.logprobs, top_k) if body.logprobs and c.logprobs is not None else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in final.output.outputs:
+            content, calls, reason = c.text, None, c.finish_reason
+            if plan.new_parser is not None:
+                content, calls, reason = whole_message(plan, c.text, c.finish_reason)
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatMessageOut(content=content, tool_calls=calls),
+                    logprobs=chat_logprobs(c.logprobs, top_k) if body.logprobs and c.logprobs is not None else None,
+                    finish_reason=reason,
+                    stop_reason=c.stop_reason,
+                )
             )
-            for c in final.output.outputs
-        ]
         resp = ChatCompletionResponse(id=cid, model=self.model_name, choices=choices, usage=usage_info([final.usage]))
         return JSONResponse(resp.model_dump())
 
     async def _chat_stream(
-        self, body: ChatCompletionRequest, cid: str, prepared: PreparedRequest, top_k: int
+        self, body: ChatCompletionRequest, cid: str, prepared: PreparedRequest, top_k: int, plan: ToolPlan
     ) -> AsyncIterator[str]:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         usage: Usage | None = None
+        tools: dict[int, ChoiceTools] = {}
         started = False
         try:
             async for event in self.pipeline.stream(prepared):
@@ -333,6 +346,14 @@ class OpenAIRoutes:
                     lp = chat_logprobs(list(d.logprobs), top_k) if body.logprobs and d.logprobs is not None else None
                     reason, stop = finish_fields(d)
                     delta = ChatDelta(content=d.text)
+                    if plan.new_parser is not None:
+                        choice_tools = tools.setdefault(d.index, ChoiceTools(plan))
+                        piece = choice_tools.feed(d.text, finished=reason is not None)
+                        calls = delta_calls(piece)
+                        # NOTE: as OpenAI: a chunk carrying tool calls and no text has content null.
+                        content = piece.content if piece.content or not calls else None
+                        delta = ChatDelta(content=content, tool_calls=calls)
+                        reason = choice_tools.finish_reason(reason)
                     choices.append(
                         ChatChunkChoice(index=d.index, delta=delta, logprobs=lp, finish_reason=reason, stop_reason=stop)
                     )
@@ -356,12 +377,13 @@ def create_app(
     is_serving: Callable[[], bool],
     keys: ApiKeys | None = None,
     send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT,
+    tools: ToolSettings | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="Pagoda", description="OpenAI-compatible API of the Pagoda frontend", docs_url=None, redoc_url=None
     )
     app.add_middleware(BodySizeLimit, max_bytes=pipeline.limits.max_request_bytes)
-    routes = OpenAIRoutes(pipeline, is_serving, keys or ApiKeys([]), send_timeout)
+    routes = OpenAIRoutes(pipeline, is_serving, keys or ApiKeys([]), send_timeout, tools or ToolSettings())
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)

@@ -19,7 +19,8 @@ from services.frontend.openai_protocol import (
     TopLogprob,
     UsageInfo,
 )
-from services.frontend.request import ChatMessage, GenerateInput, PromptInput, RequestError, Usage
+from services.frontend.request import GenerateInput, PromptInput, RequestError, Usage
+from services.frontend.tool_calls import ToolPlan, chat_messages
 
 _TOKEN_ID = re.compile(r"0|-?[1-9][0-9]*")
 _PASSTHROUGH = (
@@ -102,22 +103,29 @@ def completion_inputs(
     ]
 
 
-def chat_input(req: ChatCompletionRequest, trace: TraceContext, request_id: str, tenant: str = "") -> GenerateInput:
-    if req.tools or req.tool_choice not in (None, "none"):
-        raise RequestError.invalid("tools are not supported")
+def chat_input(
+    req: ChatCompletionRequest, trace: TraceContext, request_id: str, tenant: str = "", tools: ToolPlan | None = None
+) -> GenerateInput:
+    """`tools`: the request's tool plan (services.frontend.tool_calls.plan_tools); None when it has no tools."""
     if req.response_format is not None and req.response_format.get("type") not in (None, "text"):
         raise RequestError.invalid("response_format: only {'type': 'text'} is supported")
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise RequestError.invalid("max_completion_tokens and max_tokens are exclusive: set one")
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError.invalid("top_logprobs needs logprobs: true")
-    messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-        messages.append(ChatMessage(m.role, content or ""))
+    messages = chat_messages(req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    prompt = PromptInput(messages=messages, add_generation_prompt=req.add_generation_prompt, field="messages")
+    if tools is not None and tools.structured_outputs is not None:
+        if params.structured_outputs is not None:
+            raise RequestError.invalid("tool_choice required or a named function cannot be combined with a constraint")
+        params.structured_outputs = tools.structured_outputs
+    prompt = PromptInput(
+        messages=messages,
+        tools=tools.template_tools if tools is not None else None,
+        add_generation_prompt=req.add_generation_prompt,
+        field="messages",
+    )
     return GenerateInput(
         prompt, params, request_id, req.priority, req.cache_salt, trace, tenant=tenant, stream=bool(req.stream)
     )

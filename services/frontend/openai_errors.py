@@ -18,10 +18,16 @@ from services.frontend.openai_protocol import (
     ChatCompletionRequest,
     ChatContentPart,
     ChatMessageIn,
+    ChatTool,
     CompletionRequest,
     ErrorDetail,
     ErrorResponse,
+    FunctionCallIn,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
     StreamOptions,
+    ToolCallIn,
 )
 from services.frontend.request import ErrorCode, RequestError
 
@@ -31,6 +37,12 @@ _MODELS: tuple[type[BaseModel], ...] = (
     ChatMessageIn,
     ChatContentPart,
     StreamOptions,
+    ChatTool,
+    FunctionDefinition,
+    NamedToolChoice,
+    NamedFunction,
+    ToolCallIn,
+    FunctionCallIn,
 )
 _FIELD_NAMES = frozenset(name for model in _MODELS for name in model.model_fields)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")

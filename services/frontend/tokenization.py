@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine_core.core.prompt_checks import check_token_ids
 from engine_core.io.bad_words import bad_words_token_ids
 from engine_core.io.tokenizer import Tokenizer
-from services.frontend.request import PromptInput, RequestError
+from services.frontend.request import ChatMessage, PromptInput, RequestError
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -57,10 +57,10 @@ class PromptTokenizer:
                 raise RequestError.invalid(f"{prompt.field}.{i}.role must be one of {_ROLES}, got {m.role!r}")
         if not self.has_chat_template:
             raise RequestError.invalid(f"{prompt.field}: the model has no chat template; send text or token ids")
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        conversation = [_template_message(m) for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, prompt.add_generation_prompt, self.chat_content_special_tokens
+                conversation, prompt.add_generation_prompt, self.chat_content_special_tokens, prompt.tools
             )
         except Exception as e:  # NOTE: jinja templates raise anything (e.g. "roles must alternate")
             raise RequestError.invalid(f"{prompt.field}: the chat template rejected the messages: {e}") from e
@@ -70,3 +70,14 @@ class PromptTokenizer:
 
     def tokens(self, ids: list[int]) -> list[str]:
         return self.tokenizer.convert_ids_to_tokens(ids)
+
+
+def _template_message(m: ChatMessage) -> dict[str, object]:
+    """A message as chat templates read it (transformers' and OpenAI's keys; None values are dropped there)."""
+    calls = None
+    if m.tool_calls is not None:
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    return {"role": m.role, "content": m.content, "tool_calls": calls, "tool_call_id": m.tool_call_id, "name": m.name}
