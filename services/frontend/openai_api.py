@@ -45,7 +45,21 @@ from services.frontend.openai_protocol import (
 )
 from services.frontend.pipeline import RequestPipeline
 from services.frontend.request import ErrorCode, FinalInfo, PreparedRequest, RequestError, StreamEvent, Usage
+from services.frontend.response_extras import (
+    continuous_usage,
+    echo_logprobs,
+    joined,
+    prompt_logprobs_body,
+    running_usage,
+)
 from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT, SseResponse
+from services.frontend.tokenize_api import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    detokenize,
+    tokenize,
+)
 from services.frontend.tool_calls import ChoiceTools, ToolPlan, ToolSettings, delta_calls, plan_tools, whole_message
 
 HTTP_STATUS = {
@@ -196,6 +210,23 @@ class OpenAIRoutes:
     def _model_list(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.pipeline.model.max_model_len)])
 
+    # ---- /tokenize, /detokenize (vLLM's) ----------------------------------------------------------------------------
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> Response:
+        try:
+            self._tenant(request)
+            self._check_model(body.model)
+            return JSONResponse((await tokenize(self.pipeline, body)).model_dump())
+        except RequestError as e:
+            return error_response(e)
+
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
+        try:
+            self._tenant(request)
+            self._check_model(body.model)
+            return JSONResponse((await detokenize(self.pipeline, body)).model_dump())
+        except RequestError as e:
+            return error_response(e)
+
     # ---- /v1/completions -----------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         try:
@@ -218,8 +249,16 @@ class OpenAIRoutes:
             return Response(status_code=499)  # the client is gone; nobody reads this
         choices = []
         for i, (p, final) in enumerate(zip(prepared, finals, strict=True)):
+            plp = final.output.prompt_logprobs
             for c in final.output.outputs:
-                lp = CompletionLogprobsBuilder().build(c.logprobs) if body.logprobs is not None and c.logprobs else None
+                lp = None
+                if body.logprobs is not None and c.logprobs is not None:
+                    builder = CompletionLogprobsBuilder()
+                    if body.echo and plp is not None:
+                        first = self.pipeline.tokenizer.tokenizer.decode(p.prompt_token_ids[:1])
+                        lp = joined(echo_logprobs(builder, first, plp), builder.build(c.logprobs))
+                    else:
+                        lp = builder.build(c.logprobs)
                 prefix = self._prompt_text(p) if body.echo else ""
                 choices.append(
                     CompletionChoice(
@@ -228,6 +267,9 @@ class OpenAIRoutes:
                         logprobs=lp,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=prompt_logprobs_body(plp) if body.prompt_logprobs is not None else None,
+                        prompt_token_ids=p.prompt_token_ids if body.return_token_ids else None,
+                        token_ids=list(c.token_ids) if body.return_token_ids else None,
                     )
                 )
         usage = usage_info([f.usage for f in finals])
@@ -255,6 +297,8 @@ class OpenAIRoutes:
         builders: dict[int, CompletionLogprobsBuilder] = {}
         usages: list[Usage] = []
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        running = continuous_usage(body.stream_options)
+        generated = [0] * len(prepared)
         started = False
         try:
             async for i, event in _merge([self.pipeline.stream(p) for p in prepared]):
@@ -262,25 +306,30 @@ class OpenAIRoutes:
                     started = True
                     yield ""  # admitted: _start_sse answers 200 now
                 choices = []
-                if body.echo and event.first:
-                    choices += [
-                        CompletionChoice(index=i * n + j, text=self._prompt_text(prepared[i])) for j in range(n)
-                    ]
+                if event.first and (body.echo or body.return_token_ids):
+                    text = self._prompt_text(prepared[i]) if body.echo else ""
+                    ids = prepared[i].prompt_token_ids if body.return_token_ids else None
+                    choices += [CompletionChoice(index=i * n + j, text=text, prompt_token_ids=ids) for j in range(n)]
                 for d in event.deltas:
+                    generated[i] += len(d.token_ids)
                     index = i * n + d.index
                     lp = None
                     if body.logprobs is not None and d.logprobs is not None:
                         lp = builders.setdefault(index, CompletionLogprobsBuilder()).build(list(d.logprobs))
                     reason, stop = finish_fields(d)
+                    ids = list(d.token_ids) if body.return_token_ids else None
                     choices.append(
-                        CompletionChoice(index=index, text=d.text, logprobs=lp, finish_reason=reason, stop_reason=stop)
+                        CompletionChoice(
+                            index=index, text=d.text, logprobs=lp, finish_reason=reason, stop_reason=stop, token_ids=ids
+                        )
                     )
                 if event.final is not None:
                     usages.append(event.final.usage)
                     if event.final.error:
                         raise RequestError(ErrorCode.INTERNAL, event.final.error)
                 if choices:
-                    yield _sse(CompletionResponse(id=cid, model=self.model_name, choices=choices))
+                    usage = running_usage(len(prepared[i].prompt_token_ids), generated[i]) if running else None
+                    yield _sse(CompletionResponse(id=cid, model=self.model_name, choices=choices, usage=usage))
             if include_usage:
                 yield _sse(CompletionResponse(id=cid, model=self.model_name, choices=[], usage=usage_info(usages)))
             yield "data: [DONE]\n\n"
@@ -322,9 +371,19 @@ class OpenAIRoutes:
                     logprobs=chat_logprobs(c.logprobs, top_k) if body.logprobs and c.logprobs is not None else None,
                     finish_reason=reason,
                     stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if body.return_token_ids else None,
                 )
             )
-        resp = ChatCompletionResponse(id=cid, model=self.model_name, choices=choices, usage=usage_info([final.usage]))
+        resp = ChatCompletionResponse(
+            id=cid,
+            model=self.model_name,
+            choices=choices,
+            usage=usage_info([final.usage]),
+            prompt_logprobs=prompt_logprobs_body(final.output.prompt_logprobs)
+            if body.prompt_logprobs is not None
+            else None,
+            prompt_token_ids=prepared.prompt_token_ids if body.return_token_ids else None,
+        )
         return JSONResponse(resp.model_dump())
 
     async def _chat_stream(
@@ -333,6 +392,8 @@ class OpenAIRoutes:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         usage: Usage | None = None
         tools: dict[int, ChoiceTools] = {}
+        running = continuous_usage(body.stream_options)
+        prompt_tokens, generated = len(prepared.prompt_token_ids), 0
         started = False
         try:
             async for event in self.pipeline.stream(prepared):
@@ -340,9 +401,11 @@ class OpenAIRoutes:
                 if event.first:
                     role = ChatDelta(role="assistant", content="")
                     first = [ChatChunkChoice(index=j, delta=role) for j in range(body.n)]
-                    yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=first))
+                    ids = prepared.prompt_token_ids if body.return_token_ids else None
+                    yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=first, prompt_token_ids=ids))
                 choices = []
                 for d in event.deltas:
+                    generated += len(d.token_ids)
                     lp = chat_logprobs(list(d.logprobs), top_k) if body.logprobs and d.logprobs is not None else None
                     reason, stop = finish_fields(d)
                     delta = ChatDelta(content=d.text)
@@ -355,14 +418,22 @@ class OpenAIRoutes:
                         delta = ChatDelta(content=content, tool_calls=calls)
                         reason = choice_tools.finish_reason(reason)
                     choices.append(
-                        ChatChunkChoice(index=d.index, delta=delta, logprobs=lp, finish_reason=reason, stop_reason=stop)
+                        ChatChunkChoice(
+                            index=d.index,
+                            delta=delta,
+                            logprobs=lp,
+                            finish_reason=reason,
+                            stop_reason=stop,
+                            token_ids=list(d.token_ids) if body.return_token_ids else None,
+                        )
                     )
                 if event.final is not None:
                     usage = event.final.usage
                     if event.final.error:
                         raise RequestError(ErrorCode.INTERNAL, event.final.error)
                 if choices:
-                    yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=choices))
+                    now = running_usage(prompt_tokens, generated) if running else None
+                    yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=choices, usage=now))
             if include_usage and usage is not None:
                 yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[], usage=usage_info([usage])))
             yield "data: [DONE]\n\n"
@@ -388,6 +459,8 @@ def create_app(
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
+    app.add_api_route("/tokenize", routes.tokenize, methods=["POST"], response_model=None)
+    app.add_api_route("/detokenize", routes.detokenize, methods=["POST"], response_model=None)
 
     async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

@@ -77,17 +77,20 @@ def completion_inputs(
     if max_prompts is not None and batch and len(p) > max_prompts:
         raise RequestError.invalid(f"prompt has {len(p)} prompts; the limit is {max_prompts}", "prompt")
     prompts: list[PromptInput]
+    special, cut = req.add_special_tokens, req.truncate_prompt_tokens
     if isinstance(p, str):
-        prompts = [PromptInput(text=p, add_special_tokens=req.add_special_tokens)]
+        prompts = [PromptInput(text=p, add_special_tokens=special, truncate_prompt_tokens=cut)]
     elif p and all(isinstance(x, int) for x in p):
-        prompts = [PromptInput(token_ids=list(p))]  # type: ignore[arg-type]
+        prompts = [PromptInput(token_ids=list(p), truncate_prompt_tokens=cut)]  # type: ignore[arg-type]
     elif p and all(isinstance(x, str) for x in p):
-        prompts = [PromptInput(text=x, add_special_tokens=req.add_special_tokens) for x in p]  # type: ignore[misc]
+        prompts = [PromptInput(text=x, add_special_tokens=special, truncate_prompt_tokens=cut) for x in p]  # type: ignore[misc]
     elif p and all(isinstance(x, list) for x in p):
-        prompts = [PromptInput(token_ids=list(x)) for x in p]  # type: ignore[arg-type]
+        prompts = [PromptInput(token_ids=list(x), truncate_prompt_tokens=cut) for x in p]  # type: ignore[arg-type]
     else:
         raise RequestError.invalid("prompt must be a string, a list of strings, token ids or lists of token ids")
     params = _params(req, req.max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+        params.prompt_logprobs = req.logprobs  # NOTE: as vLLM: echo's logprobs cover the prompt's tokens too
     return [
         GenerateInput(
             prompt,
@@ -125,6 +128,7 @@ def chat_input(
         tools=tools.template_tools if tools is not None else None,
         add_generation_prompt=req.add_generation_prompt,
         field="messages",
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
     )
     return GenerateInput(
         prompt, params, request_id, req.priority, req.cache_salt, trace, tenant=tenant, stream=bool(req.stream)

@@ -30,6 +30,7 @@ from services.frontend.openai_protocol import (
     ToolCallIn,
 )
 from services.frontend.request import ErrorCode, RequestError
+from services.frontend.tokenize_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 _MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest,
@@ -43,6 +44,9 @@ _MODELS: tuple[type[BaseModel], ...] = (
     NamedFunction,
     ToolCallIn,
     FunctionCallIn,
+    TokenizeCompletionRequest,
+    TokenizeChatRequest,
+    DetokenizeRequest,
 )
 _FIELD_NAMES = frozenset(name for model in _MODELS for name in model.model_fields)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")

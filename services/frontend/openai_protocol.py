@@ -71,6 +71,8 @@ class _SamplingFields(_Request):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
 
 
 class CompletionRequest(_SamplingFields):
@@ -160,12 +162,27 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's `prompt_logprobs` entry: one per token id of a prompt position (the prompt's token and the top-k)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per prompt position (the first is null: nothing predicts it): token id -> its logprob.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids (streamed: in the first chunk)
+    token_ids: list[int] | None = None  # return_token_ids (streamed: each chunk's new ones)
 
 
 class CompletionResponse(BaseModel):
@@ -232,6 +249,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -240,6 +258,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -249,6 +268,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -258,6 +279,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class ModelCard(BaseModel):

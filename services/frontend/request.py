@@ -81,6 +81,7 @@ class PromptInput:
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     field: str = "prompt"
+    truncate_prompt_tokens: int | None = None  # keep the last k tokens (-1: max_model_len), as vLLM
 
 
 @dataclass

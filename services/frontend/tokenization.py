@@ -28,6 +28,8 @@ class PromptTokenizer:
         given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.messages)]
         if sum(given) != 1:
             raise RequestError.invalid(f"{prompt.field} is required (exactly one of text, token ids or messages)")
+        cut = prompt.truncate_prompt_tokens
+        keep = self._kept_tokens(cut) if cut is not None else None  # NOTE: checked before any tokenizing
         if prompt.text is not None:
             text: str | None = prompt.text
             ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
@@ -39,6 +41,8 @@ class PromptTokenizer:
                 raise RequestError.invalid(str(e)) from e
         else:
             text, ids = None, self.apply_chat_template(prompt)
+        if keep is not None and len(ids) > keep:
+            text, ids = None, ids[len(ids) - keep :]  # NOTE: the kept tail is no longer the text's encoding
         if not ids:
             raise RequestError.invalid(f"{prompt.field} must not be empty (it encodes to zero tokens)")
         if check_length and len(ids) >= self.max_model_len:
@@ -47,6 +51,16 @@ class PromptTokenizer:
                 "the prompt must be shorter than max_model_len to leave room for output"
             )
         return text, ids
+
+    def _kept_tokens(self, k: int) -> int:
+        if k == -1:
+            return self.max_model_len
+        if not 1 <= k <= self.max_model_len:
+            raise RequestError.invalid(
+                f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, {self.max_model_len}], got {k}",
+                "truncate_prompt_tokens",
+            )
+        return k
 
     def apply_chat_template(self, prompt: PromptInput) -> list[int]:
         messages = prompt.messages or []
