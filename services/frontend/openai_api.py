@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.trace import TraceContext
@@ -26,7 +25,7 @@ from services.frontend.openai_convert import (
     finish_fields,
     usage_info,
 )
-from services.frontend.openai_errors import http_error_body, validation_error
+from services.frontend.openai_errors import error_body, error_response, http_error_body, validation_error
 from services.frontend.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -38,13 +37,11 @@ from services.frontend.openai_protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    ErrorDetail,
-    ErrorResponse,
     ModelCard,
     ModelList,
 )
 from services.frontend.pipeline import RequestPipeline
-from services.frontend.request import ErrorCode, FinalInfo, PreparedRequest, RequestError, StreamEvent, Usage
+from services.frontend.request import ErrorCode, FinalInfo, PreparedRequest, RequestError, Usage
 from services.frontend.response_extras import (
     continuous_usage,
     echo_logprobs,
@@ -52,7 +49,8 @@ from services.frontend.response_extras import (
     prompt_logprobs_body,
     running_usage,
 )
-from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT, SseResponse
+from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT
+from services.frontend.sse_streams import merge_streams, sse_data, start_sse
 from services.frontend.tokenize_api import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -61,88 +59,6 @@ from services.frontend.tokenize_api import (
     tokenize,
 )
 from services.frontend.tool_calls import ChoiceTools, ToolPlan, ToolSettings, delta_calls, plan_tools, whole_message
-
-HTTP_STATUS = {
-    ErrorCode.INVALID_ARGUMENT: 400,
-    ErrorCode.NOT_FOUND: 404,
-    ErrorCode.ALREADY_EXISTS: 409,
-    ErrorCode.RESOURCE_EXHAUSTED: 429,
-    ErrorCode.CANCELLED: 499,
-    ErrorCode.INTERNAL: 500,
-    ErrorCode.UNAUTHENTICATED: 401,
-    ErrorCode.UNAVAILABLE: 503,
-    ErrorCode.DEADLINE_EXCEEDED: 504,
-}
-
-
-def _error_body(e: RequestError) -> ErrorResponse:
-    kind = "invalid_request_error" if e.code is ErrorCode.INVALID_ARGUMENT else e.code.value.lower()
-    return ErrorResponse(error=ErrorDetail(message=e.message, type=kind, param=e.param, code=HTTP_STATUS[e.code]))
-
-
-def error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse(_error_body(e).model_dump(), status_code=HTTP_STATUS[e.code])
-
-
-def _sse(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
-
-
-async def _merge(streams: list[AsyncIterator[StreamEvent]]) -> AsyncIterator[tuple[int, StreamEvent]]:
-    """Interleaves the streams of a batch of prompts; closing the merge closes (aborts) every stream."""
-    if len(streams) == 1:
-        async for event in streams[0]:
-            yield 0, event
-        return
-    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[StreamEvent]) -> None:
-        try:
-            async for event in stream:
-                await queue.put((i, event))
-        except Exception as e:
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _start_sse(chunks: AsyncIterator[str], send_timeout: float, request_id: str) -> Response:
-    """Reads the stream up to its first chunk before answering, so failures of admission (overload, scheduler or
-    worker down) get their status code (429, 503) instead of an error event after a 200. Empty chunks only mark
-    that the request was admitted and are not sent. A client that stops reading for `send_timeout` is cut off
-    (services.frontend.slow_clients)."""
-    try:
-        first = await anext(chunks, None)
-    except RequestError as e:
-        await chunks.aclose()
-        return error_response(e)
-
-    async def rest() -> AsyncIterator[str]:
-        try:
-            if first:
-                yield first
-            async for chunk in chunks:
-                if chunk:
-                    yield chunk
-        finally:
-            await chunks.aclose()  # NOTE: closed early (client gone or too slow): its requests are aborted now
-
-    return SseResponse(rest(), send_timeout, request_id)
 
 
 class OpenAIRoutes:
@@ -240,7 +156,7 @@ class OpenAIRoutes:
         except RequestError as e:
             return error_response(e)
         if body.stream:
-            return await _start_sse(self._completion_stream(body, f"cmpl-{rid}", prepared), self.send_timeout, rid)
+            return await start_sse(self._completion_stream(body, f"cmpl-{rid}", prepared), self.send_timeout, rid)
         try:
             finals = await self._collect_all(request, prepared)
         except RequestError as e:
@@ -301,7 +217,7 @@ class OpenAIRoutes:
         generated = [0] * len(prepared)
         started = False
         try:
-            async for i, event in _merge([self.pipeline.stream(p) for p in prepared]):
+            async for i, event in merge_streams([self.pipeline.stream(p) for p in prepared]):
                 if not started:
                     started = True
                     yield ""  # admitted: _start_sse answers 200 now
@@ -329,14 +245,14 @@ class OpenAIRoutes:
                         raise RequestError(ErrorCode.INTERNAL, event.final.error)
                 if choices:
                     usage = running_usage(len(prepared[i].prompt_token_ids), generated[i]) if running else None
-                    yield _sse(CompletionResponse(id=cid, model=self.model_name, choices=choices, usage=usage))
+                    yield sse_data(CompletionResponse(id=cid, model=self.model_name, choices=choices, usage=usage))
             if include_usage:
-                yield _sse(CompletionResponse(id=cid, model=self.model_name, choices=[], usage=usage_info(usages)))
+                yield sse_data(CompletionResponse(id=cid, model=self.model_name, choices=[], usage=usage_info(usages)))
             yield "data: [DONE]\n\n"
         except RequestError as e:
             if not started:
                 raise
-            yield _sse(_error_body(e))
+            yield sse_data(error_body(e))
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -351,7 +267,7 @@ class OpenAIRoutes:
         cid = f"chatcmpl-{rid}"
         top_k = body.top_logprobs or 0
         if body.stream:
-            return await _start_sse(self._chat_stream(body, cid, prepared, top_k, plan), self.send_timeout, rid)
+            return await start_sse(self._chat_stream(body, cid, prepared, top_k, plan), self.send_timeout, rid)
         try:
             finals = await self._collect_all(request, [prepared])
         except RequestError as e:
@@ -402,7 +318,9 @@ class OpenAIRoutes:
                     role = ChatDelta(role="assistant", content="")
                     first = [ChatChunkChoice(index=j, delta=role) for j in range(body.n)]
                     ids = prepared.prompt_token_ids if body.return_token_ids else None
-                    yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=first, prompt_token_ids=ids))
+                    yield sse_data(
+                        ChatCompletionChunk(id=cid, model=self.model_name, choices=first, prompt_token_ids=ids)
+                    )
                 choices = []
                 for d in event.deltas:
                     generated += len(d.token_ids)
@@ -433,14 +351,16 @@ class OpenAIRoutes:
                         raise RequestError(ErrorCode.INTERNAL, event.final.error)
                 if choices:
                     now = running_usage(prompt_tokens, generated) if running else None
-                    yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=choices, usage=now))
+                    yield sse_data(ChatCompletionChunk(id=cid, model=self.model_name, choices=choices, usage=now))
             if include_usage and usage is not None:
-                yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[], usage=usage_info([usage])))
+                yield sse_data(
+                    ChatCompletionChunk(id=cid, model=self.model_name, choices=[], usage=usage_info([usage]))
+                )
             yield "data: [DONE]\n\n"
         except RequestError as e:
             if not started:
                 raise
-            yield _sse(_error_body(e))
+            yield sse_data(error_body(e))
 
 
 def create_app(
