@@ -106,7 +106,9 @@ class ApiLimits:
 
 
 def _calls_chars(m: ChatMessage) -> int:
-    return sum(len(c.name) + len(json.dumps(c.arguments)) for c in m.tool_calls or ())
+    """Characters of a message's tool-call parts (earlier calls, the id a tool message answers, its name)."""
+    calls = sum(len(c.id) + len(c.name) + len(json.dumps(c.arguments)) for c in m.tool_calls or ())
+    return calls + len(m.tool_call_id or "") + len(m.name or "")
 
 
 def _check_count(name: str, value: int, limit: int, unit: str = "") -> None:

@@ -78,7 +78,7 @@ def test_history_of_calls_and_results_reaches_the_template(oai: openai.OpenAI, s
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_forced_calls_parse_and_round_trip(oai: openai.OpenAI, choice: str, stream: bool) -> None:
     tool_choice: Any = "required" if choice == "required" else {"type": "function", "function": {"name": "get_weather"}}
-    kwargs: Any = {"model": MODEL, "messages": USER, "max_tokens": 64, "temperature": 0, "tools": [WEATHER]}
+    kwargs: Any = {"model": MODEL, "messages": USER, "max_tokens": 128, "temperature": 0, "tools": [WEATHER]}
     if not stream:
         resp = oai.chat.completions.create(**kwargs, tool_choice=tool_choice)
         message, reason = resp.choices[0].message, resp.choices[0].finish_reason

@@ -156,6 +156,11 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         "messages.0.tool_calls.0.function.arguments",
     ),
     (
+        "history over max_prompt_chars",
+        {"messages": [{"role": "tool", "tool_call_id": "c" * 300_000, "content": "x"}]},
+        "messages",
+    ),
+    (
         "tool_calls on a user message",
         {"messages": [{"role": "user", "content": "x", "tool_calls": []}]},
         "messages.0.tool_calls",
