@@ -47,6 +47,9 @@ _PASSTHROUGH = (
 def _params(
     req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams:
+    if req.stream and req.prompt_logprobs:
+        # NOTE: as vLLM: the HTTP stream has no place for them (gRPC streams them)
+        raise RequestError.invalid("prompt_logprobs are not available with stream: true", "prompt_logprobs")
     kwargs: dict[str, object] = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
     if req.stop is not None:
         kwargs["stop"] = req.stop
@@ -89,7 +92,7 @@ def completion_inputs(
     else:
         raise RequestError.invalid("prompt must be a string, a list of strings, token ids or lists of token ids")
     params = _params(req, req.max_tokens, req.logprobs)
-    if req.echo and req.logprobs is not None and params.prompt_logprobs is None:
+    if req.echo and req.logprobs is not None and params.prompt_logprobs is None and not req.stream:
         params.prompt_logprobs = req.logprobs  # NOTE: as vLLM: echo's logprobs cover the prompt's tokens too
     return [
         GenerateInput(

@@ -54,6 +54,7 @@ BAD: list[tuple[str, str, bytes, str | None]] = [
     ("wrong model", "/tokenize", b'{"prompt": "x", "model": "gpt-4"}', "model"),
     ("truncate 0", CMPL, b'{"prompt": "x", "truncate_prompt_tokens": 0}', "truncate_prompt_tokens"),
     ("truncate too long", CMPL, b'{"prompt": "x", "truncate_prompt_tokens": 4096}', "truncate_prompt_tokens"),
+    ("prompt_logprobs streamed", CMPL, b'{"prompt": "x", "prompt_logprobs": 1, "stream": true}', "prompt_logprobs"),
     ("lone surrogate, completions", CMPL, b'{"prompt": "\\ud800"}', "prompt"),
 ]  # fmt: skip
 
