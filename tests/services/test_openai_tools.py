@@ -103,3 +103,29 @@ def test_forced_calls_parse_and_round_trip(oai: openai.OpenAI, choice: str, stre
     history.append({"role": "tool", "tool_call_id": calls[0][0], "content": "18 degrees"})
     final = oai.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0, tools=[WEATHER])
     assert final.choices[0].message.content is not None
+
+
+def test_forced_call_streams_as_openai_deltas(oai: openai.OpenAI) -> None:
+    """The SSE shape of tool calls: a named function's arguments arrive as deltas of call 0 (the first with its id,
+    type and name), adding up to the non-streamed call; `required` output that is no array of calls (nothing
+    enforces it before the structured-output engine) is held back and sent as content, never as pieces."""
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs: Any = {"model": MODEL, "messages": USER, "max_tokens": 12, "temperature": 0, "tools": [WEATHER]}
+    full = oai.chat.completions.create(**kwargs, tool_choice=named)
+    calls = full.choices[0].message.tool_calls or []
+    assert len(calls) == 1 and full.choices[0].message.content is None
+    assert full.choices[0].finish_reason in ("stop", "length")  # a named function never finishes with "tool_calls"
+    chunks = [c for c in oai.chat.completions.create(**kwargs, tool_choice=named, stream=True) if c.choices]
+    deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+    assert deltas and deltas[0].id and deltas[0].type == "function" and deltas[0].function is not None
+    assert deltas[0].function.name == "get_weather" and all(d.index == 0 and d.id is None for d in deltas[1:])
+    assert "".join(d.function.arguments or "" for d in deltas if d.function) == calls[0].function.arguments
+    assert all(not c.choices[0].delta.content for c in chunks)
+    if not ENFORCED:  # the model's own text, unconstrained, is the arguments
+        plain = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=12, temperature=0)
+        assert calls[0].function.arguments == plain.choices[0].message.content
+        required = oai.chat.completions.create(**kwargs, tool_choice="required")
+        assert required.choices[0].message.content == plain.choices[0].message.content
+        chunks = [c for c in oai.chat.completions.create(**kwargs, tool_choice="required", stream=True) if c.choices]
+        texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
+        assert texts == [plain.choices[0].message.content]  # held back to the end, then sent whole
