@@ -195,3 +195,16 @@ def test_settings_are_checked() -> None:
         ToolSettings(enable_auto_tool_choice=True)
     with pytest.raises(RequestError, match="tool_choice needs tools"):
         _plan({"tool_choice": "auto"})
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    plan, _ = _plan({"tools": [WEATHER, TIME], "parallel_tool_calls": False})
+    two = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    )
+    content, calls, reason = whole_message(plan, two, "stop")
+    assert content is None and reason == "tool_calls" and calls is not None
+    assert [c.function.name for c in calls] == ["get_weather"]
+    plan, _ = _plan({"tools": [WEATHER, TIME]})
+    assert [c.function.name for c in whole_message(plan, two, "stop")[1] or []] == ["get_weather", "get_time"]
