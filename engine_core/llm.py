@@ -117,20 +117,26 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         content_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """`content_special_tokens`: read special-token text in the messages as control tokens (trusted messages
-        only); by default it is plain text, so a message cannot forge a turn."""
+        only); by default it is plain text, so a message cannot forge a turn. `tools`: tool definitions for the
+        chat template, as transformers' `apply_chat_template(tools=...)` and vLLM's `LLM.chat(tools=...)` take them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts: list[PromptType] = [
-            {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, content_special_tokens)}
+            {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt, content_special_tokens, tools)}
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(
-        self, messages: ChatMessages, add_generation_prompt: bool = True, content_special_tokens: bool = False
+        self,
+        messages: ChatMessages,
+        add_generation_prompt: bool = True,
+        content_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt, content_special_tokens)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt, content_special_tokens, tools)
 
     def _bad_words(self, params: SamplingParams) -> list[list[int]] | None:
         if not params.bad_words:

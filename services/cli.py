@@ -97,6 +97,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         collect_detailed_traces=args.collect_detailed_traces,
+        extra_frontend_args=_tool_args(args),
     )
     cluster = LocalCluster(config)
     stop = threading.Event()
@@ -132,6 +133,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         codes = cluster.stop()
         print(f"stopped: {codes}", file=sys.stderr)
     return 0
+
+
+def _tool_args(args: argparse.Namespace) -> list[str]:
+    """vLLM's tool flags of `serve`, passed on to the frontend (which checks them)."""
+    out = ["--enable-auto-tool-choice"] if args.enable_auto_tool_choice else []
+    return out + (["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else [])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -170,6 +177,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--otlp-traces-endpoint", default=None, help="OTLP collector (default: OTEL_* variables)")
     serve.add_argument("--collect-detailed-traces", action="store_true", help="trace engine steps and worker steps")
     serve.add_argument("--startup-timeout", type=float, default=600.0)
+    serve.add_argument(
+        "--enable-auto-tool-choice", action="store_true", help='serve tool_choice "auto" (needs --tool-call-parser)'
+    )
+    serve.add_argument("--tool-call-parser", default=None, help="the model's tool-call format: hermes | llama3_json")
     _add_sampling_args(serve)
 
     gen = sub.add_parser("generate", help="generate a completion (offline, or through --server)")

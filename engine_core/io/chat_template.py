@@ -111,14 +111,18 @@ class ChatTemplate:
         self.template = env.from_string(source)
 
     def render(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, special_tokens: Mapping[str, str]
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        special_tokens: Mapping[str, str],
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         # NOTE: as transformers: keys whose value is None are dropped (OpenAI clients send `content: null`, which many
         # templates would render as "None"), and the special tokens (bos_token, ...) are template variables.
         chat = [_plain_data({k: v for k, v in m.items() if v is not None}) for m in messages]
         return self.template.render(
             messages=chat,
-            tools=None,
+            tools=_plain_data(list(tools)) if tools else None,  # NOTE: as transformers: JSON tool definitions
             documents=None,
             add_generation_prompt=add_generation_prompt,
             **_plain_data(dict(special_tokens)),

@@ -89,27 +89,37 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return [self.backend_tokenizer.id_to_token(int(i)) for i in ids]
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         if self._template is None:
             raise ValueError("the model has no chat template")
-        return self._template.render(messages, add_generation_prompt, self.info.special_tokens)
+        return self._template.render(messages, add_generation_prompt, self.info.special_tokens, tools)
 
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         content_special_tokens: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """transformers' `apply_chat_template(messages, add_generation_prompt=..., tokenize=True)`: the rendered
         chat, encoded without special tokens added (the template writes its own). Special-token text inside the
         messages is encoded as plain text (`chat_content.py`) unless `content_special_tokens` (trusted callers:
-        then the messages' text may write control tokens, exactly as transformers encodes it)."""
+        then the messages' text may write control tokens, exactly as transformers encodes it). `tools`: the
+        template's tool definitions (OpenAI's `{"type": "function", "function": {...}}`), escaped as the messages."""
         template = self.info.chat_template
         trusted = content_special_tokens or self.info.split_special_tokens  # split: the text is plain anyway
-        if trusted or template is None or not self._content.needed(messages):
-            return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
-        masked, sentinels = self._content.mask(messages, template)
-        return self._content.encode(self.render_chat(masked, add_generation_prompt), sentinels)
+        # NOTE: the tools travel through the escaper as one more item, so their text cannot forge a turn either.
+        items = [*messages, {"tools": list(tools)}] if tools else list(messages)
+        if trusted or template is None or not self._content.needed(items):
+            return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        masked, sentinels = self._content.mask(items, template)
+        masked_tools = masked.pop()["tools"] if tools else None
+        return self._content.encode(self.render_chat(masked, add_generation_prompt, masked_tools), sentinels)
 
 
 def _chosen_template(template: str | dict[str, str] | None) -> str | None:

@@ -15,6 +15,8 @@ from services.frontend.auth import read_keys
 from services.frontend.http_guard import HttpConnectionLimits
 from services.frontend.limits import ApiLimits
 from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT
+from services.frontend.tool_calls import ToolSettings
+from services.frontend.tool_parsers import TOOL_PARSERS
 
 PREFIX_CACHE_ISOLATION = ("none", "api-key")
 
@@ -41,6 +43,7 @@ class FrontendConfig:
     http_connections: HttpConnectionLimits
     chat_content_special_tokens: bool  # on: special-token text in chat messages is read as control tokens
     stream_send_timeout: float  # seconds a client has to take each stream message before its request is aborted
+    tools: ToolSettings  # --enable-auto-tool-choice, --tool-call-parser
 
 
 def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
@@ -88,6 +91,20 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         type=float,
         help="seconds a streaming client may leave a message unread before its request is aborted (RESOURCE_EXHAUSTED)",
     )
+    add_flag(
+        p,
+        "--enable-auto-tool-choice",
+        default=False,
+        type=bool,
+        help='serve tool_choice "auto" (the default with tools): the model\'s own calls, read by --tool-call-parser',
+    )
+    add_flag(
+        p,
+        "--tool-call-parser",
+        default=None,
+        type=optional_str,
+        help=f"the model's tool-call format: {' | '.join(sorted(TOOL_PARSERS))}",
+    )
     TlsFiles.add_flags(p)
     ApiLimits.add_flags(p)
     add_tracing_flags(p)
@@ -96,6 +113,7 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         p.error(f"--prefix-cache-isolation must be one of {PREFIX_CACHE_ISOLATION}, got {a.prefix_cache_isolation!r}")
     try:
         limits, tls = ApiLimits.from_args(a), TlsFiles.from_args(a)
+        tools = ToolSettings(a.enable_auto_tool_choice, a.tool_call_parser)
         api_keys = read_keys(a.api_keys, a.api_keys_file)
     except (ValueError, OSError) as e:
         p.error(str(e))
@@ -133,4 +151,5 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
             max_connections=a.http_max_connections,
         ),
         stream_send_timeout=a.stream_send_timeout,
+        tools=tools,
     )

@@ -9,13 +9,14 @@ here too, so an HTTP value that the Protobuf messages cannot carry is an INVALID
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 from engine_core.sampling_params import SamplingParams
 from services.common.flags import add_flag
 from services.convert.ranges import check_ints, check_wire_ranges
-from services.frontend.request import GenerateInput, PromptInput, RequestError
+from services.frontend.request import ChatMessage, GenerateInput, PromptInput, RequestError
 
 
 def _limit(default: int, help: str) -> int:
@@ -32,6 +33,8 @@ class ApiLimits:
     max_prompts: int = _limit(64, "prompts in one /v1/completions request")
     max_prompt_chars: int = _limit(262_144, "characters of a text prompt, or of all chat messages together")
     max_chat_messages: int = _limit(1024, "messages in one chat request")
+    max_tools: int = _limit(128, "tools (function definitions) in one chat request")
+    max_tools_chars: int = _limit(262_144, "characters of a chat request's tools, as JSON")
     max_request_id_chars: int = _limit(256, "characters of a client request_id (and of a cache_salt)")
     max_tracestate_chars: int = _limit(512, "characters of a W3C tracestate (longer ones are dropped, as W3C allows)")
     max_request_bytes: int = _limit(8 << 20, "bytes of one request: gRPC message or HTTP body")
@@ -68,7 +71,7 @@ class ApiLimits:
                     f"{prompt.field} has {len(prompt.messages)} messages; the limit is {self.max_chat_messages}",
                     prompt.field,
                 )
-            chars = sum(len(m.content) + len(m.role) for m in prompt.messages)
+            chars = sum(len(m.content) + len(m.role) + _calls_chars(m) for m in prompt.messages)
             if chars > self.max_prompt_chars:
                 raise RequestError.invalid(
                     f"{prompt.field} is {chars} characters long; the limit is {self.max_prompt_chars}", prompt.field
@@ -100,6 +103,12 @@ class ApiLimits:
 
     def tracestate(self, value: str) -> str:
         return value if len(value) <= self.max_tracestate_chars else ""
+
+
+def _calls_chars(m: ChatMessage) -> int:
+    """Characters of a message's tool-call parts (earlier calls, the id a tool message answers, its name)."""
+    calls = sum(len(c.id) + len(c.name) + len(json.dumps(c.arguments)) for c in m.tool_calls or ())
+    return calls + len(m.tool_call_id or "") + len(m.name or "")
 
 
 def _check_count(name: str, value: int, limit: int, unit: str = "") -> None:

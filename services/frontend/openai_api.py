@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.common.trace import TraceContext
@@ -26,7 +25,7 @@ from services.frontend.openai_convert import (
     finish_fields,
     usage_info,
 )
-from services.frontend.openai_errors import http_error_body, validation_error
+from services.frontend.openai_errors import error_body, error_response, http_error_body, validation_error
 from services.frontend.openai_protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -38,106 +37,44 @@ from services.frontend.openai_protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
-    ErrorDetail,
-    ErrorResponse,
     ModelCard,
     ModelList,
 )
 from services.frontend.pipeline import RequestPipeline
-from services.frontend.request import ErrorCode, FinalInfo, PreparedRequest, RequestError, StreamEvent, Usage
-from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT, SseResponse
-
-HTTP_STATUS = {
-    ErrorCode.INVALID_ARGUMENT: 400,
-    ErrorCode.NOT_FOUND: 404,
-    ErrorCode.ALREADY_EXISTS: 409,
-    ErrorCode.RESOURCE_EXHAUSTED: 429,
-    ErrorCode.CANCELLED: 499,
-    ErrorCode.INTERNAL: 500,
-    ErrorCode.UNAUTHENTICATED: 401,
-    ErrorCode.UNAVAILABLE: 503,
-    ErrorCode.DEADLINE_EXCEEDED: 504,
-}
-
-
-def _error_body(e: RequestError) -> ErrorResponse:
-    kind = "invalid_request_error" if e.code is ErrorCode.INVALID_ARGUMENT else e.code.value.lower()
-    return ErrorResponse(error=ErrorDetail(message=e.message, type=kind, param=e.param, code=HTTP_STATUS[e.code]))
-
-
-def error_response(e: RequestError) -> JSONResponse:
-    return JSONResponse(_error_body(e).model_dump(), status_code=HTTP_STATUS[e.code])
-
-
-def _sse(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json(exclude_none=False)}\n\n"
-
-
-async def _merge(streams: list[AsyncIterator[StreamEvent]]) -> AsyncIterator[tuple[int, StreamEvent]]:
-    """Interleaves the streams of a batch of prompts; closing the merge closes (aborts) every stream."""
-    if len(streams) == 1:
-        async for event in streams[0]:
-            yield 0, event
-        return
-    queue: asyncio.Queue[tuple[int, StreamEvent | BaseException | None]] = asyncio.Queue()
-
-    async def pump(i: int, stream: AsyncIterator[StreamEvent]) -> None:
-        try:
-            async for event in stream:
-                await queue.put((i, event))
-        except Exception as e:
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, None))
-
-    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            i, item = await queue.get()
-            if item is None:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _start_sse(chunks: AsyncIterator[str], send_timeout: float, request_id: str) -> Response:
-    """Reads the stream up to its first chunk before answering, so failures of admission (overload, scheduler or
-    worker down) get their status code (429, 503) instead of an error event after a 200. Empty chunks only mark
-    that the request was admitted and are not sent. A client that stops reading for `send_timeout` is cut off
-    (services.frontend.slow_clients)."""
-    try:
-        first = await anext(chunks, None)
-    except RequestError as e:
-        await chunks.aclose()
-        return error_response(e)
-
-    async def rest() -> AsyncIterator[str]:
-        try:
-            if first:
-                yield first
-            async for chunk in chunks:
-                if chunk:
-                    yield chunk
-        finally:
-            await chunks.aclose()  # NOTE: closed early (client gone or too slow): its requests are aborted now
-
-    return SseResponse(rest(), send_timeout, request_id)
+from services.frontend.request import ErrorCode, FinalInfo, PreparedRequest, RequestError, Usage
+from services.frontend.response_extras import (
+    continuous_usage,
+    echo_logprobs,
+    joined,
+    prompt_logprobs_body,
+    running_usage,
+)
+from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT
+from services.frontend.sse_streams import merge_streams, sse_data, start_sse
+from services.frontend.tokenize_api import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    detokenize,
+    tokenize,
+)
+from services.frontend.tool_calls import ChoiceTools, ToolPlan, ToolSettings, delta_calls, plan_tools, whole_message
 
 
 class OpenAIRoutes:
     def __init__(
-        self, pipeline: RequestPipeline, is_serving: Callable[[], bool], keys: ApiKeys, send_timeout: float
+        self,
+        pipeline: RequestPipeline,
+        is_serving: Callable[[], bool],
+        keys: ApiKeys,
+        send_timeout: float,
+        tools: ToolSettings,
     ) -> None:
         self.pipeline = pipeline
         self.is_serving = is_serving
         self.keys = keys
         self.send_timeout = send_timeout
+        self.tools = tools
 
     def _tenant(self, request: Request) -> str:
         return self.keys.tenant(request.headers.items())
@@ -189,6 +126,23 @@ class OpenAIRoutes:
     def _model_list(self) -> ModelList:
         return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.pipeline.model.max_model_len)])
 
+    # ---- /tokenize, /detokenize (vLLM's) ----------------------------------------------------------------------------
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> Response:
+        try:
+            self._tenant(request)
+            self._check_model(body.model)
+            return JSONResponse((await tokenize(self.pipeline, body)).model_dump())
+        except RequestError as e:
+            return error_response(e)
+
+    async def detokenize(self, body: DetokenizeRequest, request: Request) -> Response:
+        try:
+            self._tenant(request)
+            self._check_model(body.model)
+            return JSONResponse((await detokenize(self.pipeline, body)).model_dump())
+        except RequestError as e:
+            return error_response(e)
+
     # ---- /v1/completions -----------------------------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         try:
@@ -202,7 +156,7 @@ class OpenAIRoutes:
         except RequestError as e:
             return error_response(e)
         if body.stream:
-            return await _start_sse(self._completion_stream(body, f"cmpl-{rid}", prepared), self.send_timeout, rid)
+            return await start_sse(self._completion_stream(body, f"cmpl-{rid}", prepared), self.send_timeout, rid)
         try:
             finals = await self._collect_all(request, prepared)
         except RequestError as e:
@@ -211,8 +165,16 @@ class OpenAIRoutes:
             return Response(status_code=499)  # the client is gone; nobody reads this
         choices = []
         for i, (p, final) in enumerate(zip(prepared, finals, strict=True)):
+            plp = final.output.prompt_logprobs
             for c in final.output.outputs:
-                lp = CompletionLogprobsBuilder().build(c.logprobs) if body.logprobs is not None and c.logprobs else None
+                lp = None
+                if body.logprobs is not None and c.logprobs is not None:
+                    builder = CompletionLogprobsBuilder()
+                    if body.echo and plp is not None:
+                        first = self.pipeline.tokenizer.tokenizer.decode(p.prompt_token_ids[:1])
+                        lp = joined(echo_logprobs(builder, first, plp), builder.build(c.logprobs))
+                    else:
+                        lp = builder.build(c.logprobs)
                 prefix = self._prompt_text(p) if body.echo else ""
                 choices.append(
                     CompletionChoice(
@@ -221,6 +183,9 @@ class OpenAIRoutes:
                         logprobs=lp,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=prompt_logprobs_body(plp) if body.prompt_logprobs is not None else None,
+                        prompt_token_ids=p.prompt_token_ids if body.return_token_ids else None,
+                        token_ids=list(c.token_ids) if body.return_token_ids else None,
                     )
                 )
         usage = usage_info([f.usage for f in finals])
@@ -248,39 +213,46 @@ class OpenAIRoutes:
         builders: dict[int, CompletionLogprobsBuilder] = {}
         usages: list[Usage] = []
         include_usage = body.stream_options is not None and body.stream_options.include_usage
+        running = continuous_usage(body.stream_options)
+        generated = [0] * len(prepared)
         started = False
         try:
-            async for i, event in _merge([self.pipeline.stream(p) for p in prepared]):
+            async for i, event in merge_streams([self.pipeline.stream(p) for p in prepared]):
                 if not started:
                     started = True
                     yield ""  # admitted: _start_sse answers 200 now
                 choices = []
-                if body.echo and event.first:
-                    choices += [
-                        CompletionChoice(index=i * n + j, text=self._prompt_text(prepared[i])) for j in range(n)
-                    ]
+                if event.first and (body.echo or body.return_token_ids):
+                    text = self._prompt_text(prepared[i]) if body.echo else ""
+                    ids = prepared[i].prompt_token_ids if body.return_token_ids else None
+                    choices += [CompletionChoice(index=i * n + j, text=text, prompt_token_ids=ids) for j in range(n)]
                 for d in event.deltas:
+                    generated[i] += len(d.token_ids)
                     index = i * n + d.index
                     lp = None
                     if body.logprobs is not None and d.logprobs is not None:
                         lp = builders.setdefault(index, CompletionLogprobsBuilder()).build(list(d.logprobs))
                     reason, stop = finish_fields(d)
+                    ids = list(d.token_ids) if body.return_token_ids else None
                     choices.append(
-                        CompletionChoice(index=index, text=d.text, logprobs=lp, finish_reason=reason, stop_reason=stop)
+                        CompletionChoice(
+                            index=index, text=d.text, logprobs=lp, finish_reason=reason, stop_reason=stop, token_ids=ids
+                        )
                     )
                 if event.final is not None:
                     usages.append(event.final.usage)
                     if event.final.error:
                         raise RequestError(ErrorCode.INTERNAL, event.final.error)
                 if choices:
-                    yield _sse(CompletionResponse(id=cid, model=self.model_name, choices=choices))
+                    usage = running_usage(len(prepared[i].prompt_token_ids), generated[i]) if running else None
+                    yield sse_data(CompletionResponse(id=cid, model=self.model_name, choices=choices, usage=usage))
             if include_usage:
-                yield _sse(CompletionResponse(id=cid, model=self.model_name, choices=[], usage=usage_info(usages)))
+                yield sse_data(CompletionResponse(id=cid, model=self.model_name, choices=[], usage=usage_info(usages)))
             yield "data: [DONE]\n\n"
         except RequestError as e:
             if not started:
                 raise
-            yield _sse(_error_body(e))
+            yield sse_data(error_body(e))
 
     # ---- /v1/chat/completions ------------------------------------------------------------------------------------
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -288,13 +260,14 @@ class OpenAIRoutes:
             tenant = self._tenant(request)
             self._check_model(body.model)
             rid = body.request_id or request.headers.get("x-request-id") or uuid.uuid4().hex
-            prepared = await self.pipeline.prepare(chat_input(body, self._trace(request), rid, tenant))
+            plan = plan_tools(body, self.tools, self.pipeline.limits)
+            prepared = await self.pipeline.prepare(chat_input(body, self._trace(request), rid, tenant, plan))
         except RequestError as e:
             return error_response(e)
         cid = f"chatcmpl-{rid}"
         top_k = body.top_logprobs or 0
         if body.stream:
-            return await _start_sse(self._chat_stream(body, cid, prepared, top_k), self.send_timeout, rid)
+            return await start_sse(self._chat_stream(body, cid, prepared, top_k, plan), self.send_timeout, rid)
         try:
             finals = await self._collect_all(request, [prepared])
         except RequestError as e:
@@ -302,24 +275,41 @@ class OpenAIRoutes:
         if finals is None:
             return Response(status_code=499)
         final = finals[0]
-        choices = [
-            ChatChoice(
-                index=c.index,
-                message=ChatMessageOut(content=c.text),
-                logprobs=chat_logprobs(c.logprobs, top_k) if body.logprobs and c.logprobs is not None else None,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in final.output.outputs:
+            content, calls, reason = c.text, None, c.finish_reason
+            if plan.new_parser is not None:
+                content, calls, reason = whole_message(plan, c.text, c.finish_reason)
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=ChatMessageOut(content=content, tool_calls=calls),
+                    logprobs=chat_logprobs(c.logprobs, top_k) if body.logprobs and c.logprobs is not None else None,
+                    finish_reason=reason,
+                    stop_reason=c.stop_reason,
+                    token_ids=list(c.token_ids) if body.return_token_ids else None,
+                )
             )
-            for c in final.output.outputs
-        ]
-        resp = ChatCompletionResponse(id=cid, model=self.model_name, choices=choices, usage=usage_info([final.usage]))
+        resp = ChatCompletionResponse(
+            id=cid,
+            model=self.model_name,
+            choices=choices,
+            usage=usage_info([final.usage]),
+            prompt_logprobs=prompt_logprobs_body(final.output.prompt_logprobs)
+            if body.prompt_logprobs is not None
+            else None,
+            prompt_token_ids=prepared.prompt_token_ids if body.return_token_ids else None,
+        )
         return JSONResponse(resp.model_dump())
 
     async def _chat_stream(
-        self, body: ChatCompletionRequest, cid: str, prepared: PreparedRequest, top_k: int
+        self, body: ChatCompletionRequest, cid: str, prepared: PreparedRequest, top_k: int, plan: ToolPlan
     ) -> AsyncIterator[str]:
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         usage: Usage | None = None
+        tools: dict[int, ChoiceTools] = {}
+        running = continuous_usage(body.stream_options)
+        prompt_tokens, generated = len(prepared.prompt_token_ids), 0
         started = False
         try:
             async for event in self.pipeline.stream(prepared):
@@ -327,28 +317,50 @@ class OpenAIRoutes:
                 if event.first:
                     role = ChatDelta(role="assistant", content="")
                     first = [ChatChunkChoice(index=j, delta=role) for j in range(body.n)]
-                    yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=first))
+                    ids = prepared.prompt_token_ids if body.return_token_ids else None
+                    yield sse_data(
+                        ChatCompletionChunk(id=cid, model=self.model_name, choices=first, prompt_token_ids=ids)
+                    )
                 choices = []
                 for d in event.deltas:
+                    generated += len(d.token_ids)
                     lp = chat_logprobs(list(d.logprobs), top_k) if body.logprobs and d.logprobs is not None else None
                     reason, stop = finish_fields(d)
                     delta = ChatDelta(content=d.text)
+                    if plan.new_parser is not None:
+                        choice_tools = tools.setdefault(d.index, ChoiceTools(plan))
+                        piece = choice_tools.feed(d.text, finished=reason is not None)
+                        calls = delta_calls(piece)
+                        # NOTE: as OpenAI: a chunk carrying tool calls and no text has content null.
+                        content = piece.content if piece.content or not calls else None
+                        delta = ChatDelta(content=content, tool_calls=calls)
+                        reason = choice_tools.finish_reason(reason)
                     choices.append(
-                        ChatChunkChoice(index=d.index, delta=delta, logprobs=lp, finish_reason=reason, stop_reason=stop)
+                        ChatChunkChoice(
+                            index=d.index,
+                            delta=delta,
+                            logprobs=lp,
+                            finish_reason=reason,
+                            stop_reason=stop,
+                            token_ids=list(d.token_ids) if body.return_token_ids else None,
+                        )
                     )
                 if event.final is not None:
                     usage = event.final.usage
                     if event.final.error:
                         raise RequestError(ErrorCode.INTERNAL, event.final.error)
                 if choices:
-                    yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=choices))
+                    now = running_usage(prompt_tokens, generated) if running else None
+                    yield sse_data(ChatCompletionChunk(id=cid, model=self.model_name, choices=choices, usage=now))
             if include_usage and usage is not None:
-                yield _sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[], usage=usage_info([usage])))
+                yield sse_data(
+                    ChatCompletionChunk(id=cid, model=self.model_name, choices=[], usage=usage_info([usage]))
+                )
             yield "data: [DONE]\n\n"
         except RequestError as e:
             if not started:
                 raise
-            yield _sse(_error_body(e))
+            yield sse_data(error_body(e))
 
 
 def create_app(
@@ -356,16 +368,19 @@ def create_app(
     is_serving: Callable[[], bool],
     keys: ApiKeys | None = None,
     send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT,
+    tools: ToolSettings | None = None,
 ) -> FastAPI:
     app = FastAPI(
         title="Pagoda", description="OpenAI-compatible API of the Pagoda frontend", docs_url=None, redoc_url=None
     )
     app.add_middleware(BodySizeLimit, max_bytes=pipeline.limits.max_request_bytes)
-    routes = OpenAIRoutes(pipeline, is_serving, keys or ApiKeys([]), send_timeout)
+    routes = OpenAIRoutes(pipeline, is_serving, keys or ApiKeys([]), send_timeout, tools or ToolSettings())
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
     app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"], response_model=None)
+    app.add_api_route("/tokenize", routes.tokenize, methods=["POST"], response_model=None)
+    app.add_api_route("/detokenize", routes.detokenize, methods=["POST"], response_model=None)
 
     async def on_validation_error(_request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from engine_core.io.output_processor import ChoiceDelta
 from engine_core.io.request_output import PositionLogprobs
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output import grammar
 from services.common.trace import TraceContext
 from services.frontend.openai_protocol import (
     ChatCompletionRequest,
@@ -20,7 +21,8 @@ from services.frontend.openai_protocol import (
     UsageInfo,
 )
 from services.frontend.openai_structured import structured_outputs
-from services.frontend.request import ChatMessage, GenerateInput, PromptInput, RequestError, Usage
+from services.frontend.request import GenerateInput, PromptInput, RequestError, Usage
+from services.frontend.tool_calls import ToolPlan, chat_messages
 
 _TOKEN_ID = re.compile(r"0|-?[1-9][0-9]*")
 _PASSTHROUGH = (
@@ -47,6 +49,9 @@ _PASSTHROUGH = (
 def _params(
     req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams:
+    if req.stream and req.prompt_logprobs:
+        # NOTE: as vLLM: the HTTP stream has no place for them (gRPC streams them)
+        raise RequestError.invalid("prompt_logprobs are not available with stream: true", "prompt_logprobs")
     kwargs: dict[str, object] = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
     if req.stop is not None:
         kwargs["stop"] = req.stop
@@ -78,17 +83,20 @@ def completion_inputs(
     if max_prompts is not None and batch and len(p) > max_prompts:
         raise RequestError.invalid(f"prompt has {len(p)} prompts; the limit is {max_prompts}", "prompt")
     prompts: list[PromptInput]
+    special, cut = req.add_special_tokens, req.truncate_prompt_tokens
     if isinstance(p, str):
-        prompts = [PromptInput(text=p, add_special_tokens=req.add_special_tokens)]
+        prompts = [PromptInput(text=p, add_special_tokens=special, truncate_prompt_tokens=cut)]
     elif p and all(isinstance(x, int) for x in p):
-        prompts = [PromptInput(token_ids=list(p))]  # type: ignore[arg-type]
+        prompts = [PromptInput(token_ids=list(p), truncate_prompt_tokens=cut)]  # type: ignore[arg-type]
     elif p and all(isinstance(x, str) for x in p):
-        prompts = [PromptInput(text=x, add_special_tokens=req.add_special_tokens) for x in p]  # type: ignore[misc]
+        prompts = [PromptInput(text=x, add_special_tokens=special, truncate_prompt_tokens=cut) for x in p]  # type: ignore[misc]
     elif p and all(isinstance(x, list) for x in p):
-        prompts = [PromptInput(token_ids=list(x)) for x in p]  # type: ignore[arg-type]
+        prompts = [PromptInput(token_ids=list(x), truncate_prompt_tokens=cut) for x in p]  # type: ignore[arg-type]
     else:
         raise RequestError.invalid("prompt must be a string, a list of strings, token ids or lists of token ids")
     params = _params(req, req.max_tokens, req.logprobs)
+    if req.echo and req.logprobs is not None and params.prompt_logprobs is None and not req.stream:
+        params.prompt_logprobs = req.logprobs  # NOTE: as vLLM: echo's logprobs cover the prompt's tokens too
     return [
         GenerateInput(
             prompt,
@@ -104,20 +112,34 @@ def completion_inputs(
     ]
 
 
-def chat_input(req: ChatCompletionRequest, trace: TraceContext, request_id: str, tenant: str = "") -> GenerateInput:
-    if req.tools or req.tool_choice not in (None, "none"):
-        raise RequestError.invalid("tools are not supported")
+def chat_input(
+    req: ChatCompletionRequest, trace: TraceContext, request_id: str, tenant: str = "", tools: ToolPlan | None = None
+) -> GenerateInput:
+    """`tools`: the request's tool plan (services.frontend.tool_calls.plan_tools); None when it has no tools."""
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise RequestError.invalid("max_completion_tokens and max_tokens are exclusive: set one")
     if req.top_logprobs is not None and not req.logprobs:
         raise RequestError.invalid("top_logprobs needs logprobs: true")
-    messages = []
-    for m in req.messages:
-        content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-        messages.append(ChatMessage(m.role, content or ""))
+    messages = chat_messages(req.messages)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params(req, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
-    prompt = PromptInput(messages=messages, add_generation_prompt=req.add_generation_prompt, field="messages")
+    if tools is not None and tools.structured_outputs is not None:
+        if params.structured_outputs is not None:
+            raise RequestError.invalid("tool_choice required or a named function cannot be combined with a constraint")
+        try:
+            # NOTE: a tool's parameters are valid JSON Schema (tool_calls checks the meta-schema) but may use a keyword
+            # the grammar engine does not support: that is the request's tools' fault, a 400 before any engine work.
+            grammar.check(tools.structured_outputs)
+        except ValueError as e:
+            raise RequestError.invalid(str(e), "tools") from e
+        params.structured_outputs = tools.structured_outputs
+    prompt = PromptInput(
+        messages=messages,
+        tools=tools.template_tools if tools is not None else None,
+        add_generation_prompt=req.add_generation_prompt,
+        field="messages",
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+    )
     return GenerateInput(
         prompt, params, request_id, req.priority, req.cache_salt, trace, tenant=tenant, stream=bool(req.stream)
     )

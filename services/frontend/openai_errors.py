@@ -12,18 +12,26 @@ from collections.abc import Sequence
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from services.frontend.openai_protocol import (
     ChatCompletionRequest,
     ChatContentPart,
     ChatMessageIn,
+    ChatTool,
     CompletionRequest,
     ErrorDetail,
     ErrorResponse,
+    FunctionCallIn,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
     StreamOptions,
+    ToolCallIn,
 )
 from services.frontend.request import ErrorCode, RequestError
+from services.frontend.tokenize_api import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 _MODELS: tuple[type[BaseModel], ...] = (
     CompletionRequest,
@@ -31,6 +39,15 @@ _MODELS: tuple[type[BaseModel], ...] = (
     ChatMessageIn,
     ChatContentPart,
     StreamOptions,
+    ChatTool,
+    FunctionDefinition,
+    NamedToolChoice,
+    NamedFunction,
+    ToolCallIn,
+    FunctionCallIn,
+    TokenizeCompletionRequest,
+    TokenizeChatRequest,
+    DetokenizeRequest,
 )
 _FIELD_NAMES = frozenset(name for model in _MODELS for name in model.model_fields)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
@@ -94,3 +111,25 @@ def http_error_body(status: int, detail: str) -> ErrorResponse:
     """Starlette's own refusals (no such route, wrong method) in the OpenAI shape, with Starlette's status."""
     kind = "not_found" if status == 404 else "invalid_request_error" if status < 500 else "internal"
     return ErrorResponse(error=ErrorDetail(message=detail, type=kind, param=None, code=status))
+
+
+HTTP_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.ALREADY_EXISTS: 409,
+    ErrorCode.RESOURCE_EXHAUSTED: 429,
+    ErrorCode.CANCELLED: 499,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.UNAUTHENTICATED: 401,
+    ErrorCode.UNAVAILABLE: 503,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+def error_body(e: RequestError) -> ErrorResponse:
+    kind = "invalid_request_error" if e.code is ErrorCode.INVALID_ARGUMENT else e.code.value.lower()
+    return ErrorResponse(error=ErrorDetail(message=e.message, type=kind, param=e.param, code=HTTP_STATUS[e.code]))
+
+
+def error_response(e: RequestError) -> JSONResponse:
+    return JSONResponse(error_body(e).model_dump(), status_code=HTTP_STATUS[e.code])

@@ -114,6 +114,10 @@ class RequestPipeline:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.encode, inp, check_length)
 
+    async def decode(self, ids: list[int]) -> str:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self.tokenizer.tokenizer.decode, ids)
+
     async def prepare(self, inp: GenerateInput) -> PreparedRequest:
         """Validates and tokenizes; raises RequestError before anything is sent to the scheduler."""
         arrival_ns, arrival_mono = now_ns(), time.monotonic()

@@ -53,9 +53,21 @@ class RequestError(Exception):
 
 
 @dataclass
+class ChatToolCall:
+    """A tool call of an earlier assistant message; `arguments` parsed from its JSON, as templates read it."""
+
+    id: str
+    name: str
+    arguments: object
+
+
+@dataclass
 class ChatMessage:
     role: str
     content: str
+    tool_calls: list[ChatToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 @dataclass
@@ -65,9 +77,11 @@ class PromptInput:
     text: str | None = None
     token_ids: list[int] | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, object]] | None = None  # the chat template's `tools`: OpenAI tool definitions as JSON
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     field: str = "prompt"
+    truncate_prompt_tokens: int | None = None  # keep the last k tokens (-1: max_model_len), as vLLM
 
 
 @dataclass

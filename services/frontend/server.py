@@ -136,7 +136,7 @@ async def serve(config: FrontendConfig, telemetry: Telemetry | None = None) -> i
     http: _Uvicorn | None = None
     http_task: asyncio.Future[None] | None = None
     if config.http_port is not None:
-        app = create_app(pipeline, lambda: health.serving, keys, config.stream_send_timeout)
+        app = create_app(pipeline, lambda: health.serving, keys, config.stream_send_timeout, config.tools)
         add_metrics_route(app, registry, pipeline.model.name, client.stats)
         if telemetry is not None:
             # NOTE: no spans for each ASGI send/receive (one per streamed chunk), nor for probes and scrapes.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine_core.core.prompt_checks import check_token_ids
 from engine_core.io.bad_words import bad_words_token_ids
 from engine_core.io.tokenizer import Tokenizer
-from services.frontend.request import PromptInput, RequestError
+from services.frontend.request import ChatMessage, PromptInput, RequestError
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -28,6 +28,8 @@ class PromptTokenizer:
         given = [x is not None for x in (prompt.text, prompt.token_ids, prompt.messages)]
         if sum(given) != 1:
             raise RequestError.invalid(f"{prompt.field} is required (exactly one of text, token ids or messages)")
+        cut = prompt.truncate_prompt_tokens
+        keep = self._kept_tokens(cut) if cut is not None else None  # NOTE: checked before any tokenizing
         if prompt.text is not None:
             text: str | None = prompt.text
             ids = self.tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens)
@@ -39,6 +41,8 @@ class PromptTokenizer:
                 raise RequestError.invalid(str(e)) from e
         else:
             text, ids = None, self.apply_chat_template(prompt)
+        if keep is not None and len(ids) > keep:
+            text, ids = None, ids[len(ids) - keep :]  # NOTE: the kept tail is no longer the text's encoding
         if not ids:
             raise RequestError.invalid(f"{prompt.field} must not be empty (it encodes to zero tokens)")
         if check_length and len(ids) >= self.max_model_len:
@@ -47,6 +51,16 @@ class PromptTokenizer:
                 "the prompt must be shorter than max_model_len to leave room for output"
             )
         return text, ids
+
+    def _kept_tokens(self, k: int) -> int:
+        if k == -1:
+            return self.max_model_len
+        if not 1 <= k <= self.max_model_len:
+            raise RequestError.invalid(
+                f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, {self.max_model_len}], got {k}",
+                "truncate_prompt_tokens",
+            )
+        return k
 
     def apply_chat_template(self, prompt: PromptInput) -> list[int]:
         messages = prompt.messages or []
@@ -57,10 +71,10 @@ class PromptTokenizer:
                 raise RequestError.invalid(f"{prompt.field}.{i}.role must be one of {_ROLES}, got {m.role!r}")
         if not self.has_chat_template:
             raise RequestError.invalid(f"{prompt.field}: the model has no chat template; send text or token ids")
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        conversation = [_template_message(m) for m in messages]
         try:
             return self.tokenizer.apply_chat_template(
-                conversation, prompt.add_generation_prompt, self.chat_content_special_tokens
+                conversation, prompt.add_generation_prompt, self.chat_content_special_tokens, prompt.tools
             )
         except Exception as e:  # NOTE: jinja templates raise anything (e.g. "roles must alternate")
             raise RequestError.invalid(f"{prompt.field}: the chat template rejected the messages: {e}") from e
@@ -70,3 +84,14 @@ class PromptTokenizer:
 
     def tokens(self, ids: list[int]) -> list[str]:
         return self.tokenizer.convert_ids_to_tokens(ids)
+
+
+def _template_message(m: ChatMessage) -> dict[str, object]:
+    """A message as chat templates read it (transformers' and OpenAI's keys; None values are dropped there)."""
+    calls = None
+    if m.tool_calls is not None:
+        calls = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in m.tool_calls
+        ]
+    return {"role": m.role, "content": m.content, "tool_calls": calls, "tool_call_id": m.tool_call_id, "name": m.name}

@@ -32,6 +32,7 @@ def cluster(
         max_num_seqs=64,
         log_dir=str(log_dir),
         metrics_port=-1,  # NOTE: the fixed defaults (8001, 8002) would clash between concurrent test runs
+        extra_frontend_args=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
     )
     c = start_healthy(config)
     yield c

@@ -22,12 +22,15 @@ from services.frontend.pipeline import AdmissionPolicy, RequestPipeline
 from services.frontend.request import ModelDescription
 from services.frontend.scheduler_client import SchedulerClient
 from services.frontend.tokenization import PromptTokenizer
+from services.frontend.tool_calls import ToolSettings
 
 MAX_MODEL_LEN = 2048
 
 
 @contextmanager
-def http_frontend(tokenizer: Tokenizer, limits: HttpConnectionLimits) -> Iterator[int]:
+def http_frontend(
+    tokenizer: Tokenizer, limits: HttpConnectionLimits, tools: ToolSettings | None = None
+) -> Iterator[int]:
     """Serves until the block ends; yields the port."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
@@ -41,7 +44,7 @@ def http_frontend(tokenizer: Tokenizer, limits: HttpConnectionLimits) -> Iterato
         vocab = tokenizer.backend_tokenizer.get_vocab_size(with_added_tokens=True)
         model = ModelDescription("smollm2", "LlamaForCausalLM", MAX_MODEL_LEN, vocab, 16, 64, 2, True)
         pipeline = RequestPipeline(PromptTokenizer(tokenizer, vocab, MAX_MODEL_LEN), client, model, AdmissionPolicy())
-        app = create_app(pipeline, lambda: True)
+        app = create_app(pipeline, lambda: True, tools=tools)
         server = uvicorn.Server(GuardedConfig(app, limits, log_level="warning", lifespan="off", access_log=False))
         holder["server"] = server
         serving = asyncio.ensure_future(server.serve(sockets=[sock]))
