@@ -1,6 +1,7 @@
 """Tools through the three services with the unmodified `openai` client: `auto` (the cluster runs with
 `--enable-auto-tool-choice --tool-call-parser hermes`), the history of calls and results, and `required` / a named
-function once structured output is enforced. SmolLM2 does not write tool calls by itself: `auto` is checked against
+function enforced by the structured-output engine.
+SmolLM2 does not write tool calls by itself: `auto` is checked against
 the parser applied to the same greedy text, the round trip by what reaches the chat template."""
 
 from __future__ import annotations
@@ -16,16 +17,20 @@ import pytest
 from engine_core.io.tokenizer import Tokenizer
 from services.frontend.tool_parsers.hermes import HermesToolParser
 from services.launcher import LocalCluster
-from services.rpc import common_pb2
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+# NOTE: additionalProperties false bounds the call (a schema that allows more properties lets the model go on past
+# max_tokens, finishing `length`, which is the grammar working but not the round trip tested here).
+PARAMETERS = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 WEATHER: Any = {"type": "function", "function": {"name": "get_weather", "parameters": PARAMETERS}}
 USER: Any = [{"role": "user", "content": "What is the weather in Paris?"}]
-# NOTE: required / named need the structured-output engine (another change) to carry and enforce the grammar.
-ENFORCED = "structured_outputs" in common_pb2.SamplingOptions.DESCRIPTOR.fields_by_name
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +78,6 @@ def test_history_of_calls_and_results_reaches_the_template(oai: openai.OpenAI, s
     assert answer.usage.prompt_tokens == len(smollm2_tokenizer.apply_chat_template(expected))
 
 
-@pytest.mark.skipif(not ENFORCED, reason="structured_outputs is not carried to the engine yet (no enforcement)")
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("choice", ["required", "named"])
 def test_forced_calls_parse_and_round_trip(oai: openai.OpenAI, choice: str, stream: bool) -> None:
@@ -107,8 +111,7 @@ def test_forced_calls_parse_and_round_trip(oai: openai.OpenAI, choice: str, stre
 
 def test_forced_call_streams_as_openai_deltas(oai: openai.OpenAI) -> None:
     """The SSE shape of tool calls: a named function's arguments arrive as deltas of call 0 (the first with its id,
-    type and name), adding up to the non-streamed call; `required` output that is no array of calls (nothing
-    enforces it before the structured-output engine) is held back and sent as content, never as pieces."""
+    type and name), adding up to the non-streamed call, and no content."""
     named: Any = {"type": "function", "function": {"name": "get_weather"}}
     kwargs: Any = {"model": MODEL, "messages": USER, "max_tokens": 12, "temperature": 0, "tools": [WEATHER]}
     full = oai.chat.completions.create(**kwargs, tool_choice=named)
@@ -121,11 +124,3 @@ def test_forced_call_streams_as_openai_deltas(oai: openai.OpenAI) -> None:
     assert deltas[0].function.name == "get_weather" and all(d.index == 0 and d.id is None for d in deltas[1:])
     assert "".join(d.function.arguments or "" for d in deltas if d.function) == calls[0].function.arguments
     assert all(not c.choices[0].delta.content for c in chunks)
-    if not ENFORCED:  # the model's own text, unconstrained, is the arguments
-        plain = oai.chat.completions.create(model=MODEL, messages=USER, max_tokens=12, temperature=0)
-        assert calls[0].function.arguments == plain.choices[0].message.content
-        required = oai.chat.completions.create(**kwargs, tool_choice="required")
-        assert required.choices[0].message.content == plain.choices[0].message.content
-        chunks = [c for c in oai.chat.completions.create(**kwargs, tool_choice="required", stream=True) if c.choices]
-        texts = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
-        assert texts == [plain.choices[0].message.content]  # held back to the end, then sent whole
