@@ -61,7 +61,7 @@ def test_late_and_reconnecting_subscribers_rebuild_the_resident_set_under_evicti
             drain(reconnecting, reconnecting_index)
             hub.unsubscribe(reconnecting)  # a dropped connection: the next one asks for what came after its seq
         if step % 5 == 2:
-            reconnecting = hub.subscribe(reconnecting_index.seq)
+            reconnecting = hub.subscribe(reconnecting_index.seq, reconnecting_index.stream_id)
         for sub, index in late:
             drain(sub, index)
     drain(reconnecting, reconnecting_index)
@@ -80,9 +80,10 @@ def test_a_reconnect_older_than_the_replay_window_gets_a_snapshot() -> None:
     for h in hashes:
         hub.publish([BlockStored([h], None, 4)])
     hub.publish([BlockRemoved([hashes[0]])])
-    replay = hub.subscribe(hub.seq - 1)
+    assert hub.subscribe(hub.seq - 1, "another-scheduler").pending[0].reset  # another numbering: a snapshot
+    replay = hub.subscribe(hub.seq - 1, hub.stream_id)
     assert [b.seq for b in replay.pending] == [hub.seq] and not replay.pending[0].reset
-    old = hub.subscribe(1)  # batches 2.. are no longer all held: a snapshot instead
+    old = hub.subscribe(1, hub.stream_id)  # batches 2.. are no longer all held: a snapshot instead
     assert old.pending[0].reset
     index = KvIndex()
     drain(old, index)
@@ -102,7 +103,7 @@ def test_a_gap_is_refused_and_a_clear_empties_the_index() -> None:
     assert not index.apply(sub.pending.popleft())
     assert index.resident == set() and index.seq == 0
     hub.publish([AllBlocksCleared()])
-    again = hub.subscribe(index.seq)
+    again = hub.subscribe(index.seq, index.stream_id)
     drain(again, index)
     assert index.resident == set() == set(hub.resident)
 

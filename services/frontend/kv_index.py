@@ -14,6 +14,7 @@ class KvIndex:
     def __init__(self) -> None:
         self.resident: set[bytes] = set()
         self.seq = 0  # the last batch applied (0: none yet)
+        self.stream_id = ""  # whose numbering `seq` is
         self.block_size = 0
         self.load: scheduler_pb2.KvLoad | None = None
 
@@ -25,6 +26,7 @@ class KvIndex:
             self.load = batch.load
         if batch.reset:
             self.resident.clear()
+            self.stream_id = batch.stream_id
         if batch.reset or batch.resident_hashes:
             self.resident.update(batch.resident_hashes)
             self.seq = batch.seq

@@ -10,6 +10,7 @@ snapshot and the batches after it are consistent by construction.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import deque
 from collections.abc import Iterator
 
@@ -65,6 +66,7 @@ class KvEventHub:
         replay: int = REPLAY_BATCHES,
     ) -> None:
         self.seq = 0
+        self.stream_id = uuid.uuid4().hex
         self.resident: dict[bytes, None] = {}  # NOTE: a dict, not a set: a snapshot lists hashes in insertion order
         self.block_size = 0
         self.subscribers: set[KvSubscriber] = set()
@@ -89,7 +91,10 @@ class KvEventHub:
                 self.resident.clear()
         self.seq += 1
         batch = scheduler_pb2.KvEventBatch(
-            seq=self.seq, events=[event_to_proto(e) for e in events], block_size=self.block_size
+            seq=self.seq,
+            events=[event_to_proto(e) for e in events],
+            block_size=self.block_size,
+            stream_id=self.stream_id,
         )
         self._replay.append(batch)
         for sub in list(self.subscribers):
@@ -97,14 +102,14 @@ class KvEventHub:
                 self.subscribers.discard(sub)
                 self.num_dropped += 1
 
-    def subscribe(self, from_seq: int) -> KvSubscriber:
+    def subscribe(self, from_seq: int, stream_id: str = "") -> KvSubscriber:
         """A new subscriber, its outbox primed with a replay after `from_seq` or a snapshot. Raises OverflowError
         when the hub already has its maximum of subscribers."""
         if len(self.subscribers) >= self.max_subscribers:
             raise OverflowError(f"{len(self.subscribers)} KV-event subscribers already: retry later")
         sub = KvSubscriber(self.max_pending)
         oldest = self._replay[0].seq if self._replay else self.seq + 1
-        if 0 < from_seq <= self.seq and from_seq + 1 >= oldest:
+        if stream_id == self.stream_id and 0 < from_seq <= self.seq and from_seq + 1 >= oldest:
             sub.pending.extend(b for b in self._replay if b.seq > from_seq)
         else:
             sub.pending.extend(self.snapshot())
@@ -123,4 +128,5 @@ class KvEventHub:
                 reset=start == 0,
                 resident_hashes=hashes[start : start + SNAPSHOT_CHUNK],
                 block_size=self.block_size,
+                stream_id=self.stream_id,
             )

@@ -17,13 +17,14 @@ LOAD_INTERVAL_S = 0.1  # NOTE: ~10 Hz: fresh enough to balance on, cheap for 64 
 async def watch_kv_events(
     hub: KvEventHub,
     from_seq: int,
+    stream_id: str,
     load: Callable[[], scheduler_pb2.KvLoad],
     context: grpc.aio.ServicerContext,
 ) -> AsyncIterator[scheduler_pb2.KvEventBatch]:
     if from_seq < 0:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "from_seq must be >= 0")
     try:
-        sub = hub.subscribe(from_seq)
+        sub = hub.subscribe(from_seq, stream_id)
     except OverflowError as e:
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
     last_seq = 0
@@ -49,7 +50,7 @@ async def watch_kv_events(
                 if current != last_load:
                     last_load = current
                     # NOTE: the seq of the last batch sent: a load message never advances the caller's position.
-                    yield scheduler_pb2.KvEventBatch(seq=last_seq, load=current, has_load=True)
+                    yield scheduler_pb2.KvEventBatch(seq=last_seq, load=current, has_load=True, stream_id=hub.stream_id)
                 next_load = now + LOAD_INTERVAL_S
             sub.wake.clear()
             if not sub.pending:

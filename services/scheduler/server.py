@@ -295,7 +295,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def WatchKvEvents(
         self, request: scheduler_pb2.WatchKvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.KvEventBatch]:
-        async for batch in watch_kv_events(self.kv_events, request.from_seq, self._load, context):
+        async for batch in watch_kv_events(self.kv_events, request.from_seq, request.stream_id, self._load, context):
             yield batch
 
     def _load(self) -> scheduler_pb2.KvLoad:
