@@ -120,6 +120,7 @@ def start(args: argparse.Namespace, replicas: int, policy: str, log_dir: str) ->
         metrics_port=-1,
         log_dir=log_dir,
         extra_frontend_args=["--routing-policy", policy],
+        extra_worker_args=["--max-model-len", str(args.max_model_len)] if args.max_model_len else [],
     )
     cluster = LocalCluster(config)
     cluster.start()
@@ -199,6 +200,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--kv-cache-memory", type=float, default=0.5, help="GiB per replica")
+    p.add_argument("--max-model-len", type=int, default=0, help="the workers' (0: the model's); lets a small cache fit")
     p.add_argument("--policies", default="prefix,round_robin,least_load")
     p.add_argument("--single", action=argparse.BooleanOptionalAction, default=True, help="the one-replica reference")
     p.add_argument("--failover", action="store_true")
