@@ -1,8 +1,9 @@
 """Model replicas behind one frontend: routing policies on a multi-tenant prefix workload, and failover.
 
 Workload: `--tenants` tenants, each with its own `--system-tokens`-token system prompt (random token ids, fixed
-seed), `--requests` requests interleaved across tenants (tenant i % tenants, a distinct random tail of 16-48 tokens
-each), `--max-tokens` output tokens (ignore_eos), `--concurrency` streams at a time through the frontend's gRPC API.
+seed), `--requests` requests interleaved across tenants (each tenant equally often, in a seeded random order, a
+distinct random tail of 16-48 tokens each), `--max-tokens` output tokens (ignore_eos), `--concurrency` streams at a
+time through the frontend's gRPC API.
 For each policy a fresh cluster of `--replicas` replicas (each a scheduler and a one-thread worker) runs it; a single
 replica serving everything is the hit-rate reference. Reports per run: total tok/s (prompt + output tokens over the
 wall time), output tok/s, the prefix-cache hit rate summed over the replicas' Stats, TTFT p50/p90.
@@ -62,10 +63,11 @@ class RunResult:
 def workload(args: argparse.Namespace) -> list[list[int]]:
     rng = random.Random(0)
     systems = [[rng.randrange(100, VOCAB) for _ in range(args.system_tokens)] for _ in range(args.tenants)]
-    return [
-        systems[i % args.tenants] + [rng.randrange(100, VOCAB) for _ in range(rng.randrange(16, 49))]
-        for i in range(args.requests)
-    ]
+    # NOTE: shuffled, not i % tenants: with an even number of replicas that order would line round_robin up with the
+    # tenants (tenant t always on replica t % 2), a partition no real traffic gives it.
+    order = [i % args.tenants for i in range(args.requests)]
+    rng.shuffle(order)
+    return [systems[t] + [rng.randrange(100, VOCAB) for _ in range(rng.randrange(16, 49))] for t in order]
 
 
 def stats(addr: str) -> scheduler_pb2.StatsResponse | None:
