@@ -101,6 +101,24 @@ def test_prefix_policy_keeps_each_tenants_prefix_on_one_replica(client: Generati
     assert all(c >= 80 for c in cached), cached
 
 
+def test_abort_and_stop_strings_reach_the_replica_that_runs_the_request(
+    replicas: LocalCluster, client: GenerationClient
+) -> None:
+    rng = random.Random(4)
+    request = ids_request([rng.randrange(100, VOCAB) for _ in range(20)], 400, ignore_eos=True)
+    request.request_id = "abort-me"
+    reader = Reader(client, request)
+    assert reader.tokens.wait(120)
+    assert client.abort("abort-me") is True
+    reader.join(60)
+    assert reader.error is None
+    finals = [c.finish_reason for m in reader.messages for c in m.choices if c.finish_reason]
+    assert finals == [common_pb2.FINISH_REASON_ABORT]
+    assert client.abort("abort-me") is False  # ended: no replica knows it
+    for addr in replicas.scheduler_addrs:
+        wait_until(lambda a=addr: all_blocks_free(a), 30, f"every block of {addr} free after the abort")
+
+
 def test_a_dead_replica_fails_only_its_requests_and_rejoins_when_restarted(
     replicas: LocalCluster, client: GenerationClient
 ) -> None:
