@@ -3,6 +3,7 @@ the `prefix` policy keeping each tenant's prefix on one replica, and failover wh
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,9 @@ from engine_core.core.prefix_cache import extend_block_hashes
 from services.client import GenerationClient
 from services.common.health import SERVING, check
 from services.frontend.kv_index import KvIndex
+from services.frontend.replica_discovery import parse_replica_source
+from services.frontend.router import SchedulerRouter
+from services.frontend.routing_policy import RoutingPolicy
 from services.launcher import LaunchConfig, LocalCluster
 from services.rpc import (
     GENERATION_SERVICE,
@@ -84,6 +88,22 @@ def test_kv_events_name_exactly_the_blocks_of_a_served_prompt(replicas: LocalClu
     assert len(hashes) >= 2
     holding = [i for i in indexes if i.cached_blocks(hashes) == len(hashes)]
     assert len(holding) == 1, "one replica served it and holds every full block of its prompt"
+
+
+def test_a_router_finds_the_replicas_behind_a_dns_name(replicas: LocalCluster) -> None:
+    port = replicas.config.scheduler_port
+
+    async def run() -> tuple[list[str], int, int]:
+        router = SchedulerRouter(parse_replica_source(f"dns:///localhost:{port}"), RoutingPolicy("prefix"))
+        await router.start()
+        try:
+            info = await router.wait_ready(60)
+            return sorted(router.replicas), info.block_size, router.num_ready
+        finally:
+            await router.close()
+
+    addrs, block_size, ready = asyncio.run(run())
+    assert f"127.0.0.1:{port}" in addrs and block_size > 0 and ready >= 1
 
 
 def test_prefix_policy_keeps_each_tenants_prefix_on_one_replica(client: GenerationClient) -> None:
