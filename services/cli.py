@@ -83,6 +83,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from services.launcher import LaunchConfig, LocalCluster
 
     configure_logging("serve")
+    if not 1 <= args.replicas <= 16:
+        print(f"--replicas must be between 1 and 16, got {args.replicas}", file=sys.stderr)
+        return 2
     config = LaunchConfig(
         model=args.model,
         dtype=args.dtype,
@@ -92,13 +95,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         scheduler_port=args.scheduler_port,
         worker_ports=[args.worker_port + i for i in range(args.num_workers)],
-        num_threads=args.worker_threads or default_worker_threads(args.num_workers),
+        num_threads=args.worker_threads or default_worker_threads(args.num_workers * args.replicas),
         log_dir=args.log_dir,
         metrics_port=args.metrics_port,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         collect_detailed_traces=args.collect_detailed_traces,
         extra_frontend_args=_tool_args(args),
     )
+    config.with_replicas(args.replicas)
     cluster = LocalCluster(config)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -116,12 +120,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print("\nserving until Ctrl-C", file=sys.stderr)
         while not stop.wait(0.5):
             dead = [s for s in cluster.services if s.process.poll() is not None]
-            for s in [s for s in dead if s.name.startswith("worker")]:
+            # NOTE: with replicas, a dead scheduler is restarted too: the frontend routes around it meanwhile.
+            restartable = ("worker", "scheduler") if args.replicas > 1 else ("worker",)
+            for s in [s for s in dead if s.name.startswith(restartable)]:
                 # NOTE: as Kubernetes restarts a dead pod: the scheduler fails the worker's requests with
                 # UNAVAILABLE, waits for it, re-initializes its cache and resumes serving.
                 print(f"{s.name} exited with code {s.process.returncode}: restarting it", file=sys.stderr)
                 cluster.restart(s.name)
-            others = [s.name for s in dead if not s.name.startswith("worker")]
+            others = [s.name for s in dead if not s.name.startswith(restartable)]
             if others:
                 print(f"{', '.join(others)} exited: shutting down", file=sys.stderr)
                 return 1
@@ -160,6 +166,12 @@ def _parser() -> argparse.ArgumentParser:
         "--worker-port", type=int, default=ports.WORKER_PORT, help="first worker's port (then +1 per worker)"
     )
     serve.add_argument("--num-workers", type=int, default=1)
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="model replicas (each a scheduler and its workers; replica k at the ports + k x 100) behind one frontend",
+    )
     serve.add_argument(
         "--worker-threads",
         type=int,

@@ -29,6 +29,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# NOTE: `pagoda serve --replicas N` puts replica k's scheduler and workers at the first replica's ports + k x 100.
+REPLICA_PORT_STRIDE = 100
+
+
+@dataclass
+class ReplicaPorts:
+    """One more model replica: a scheduler and its workers."""
+
+    scheduler_port: int
+    worker_ports: list[int]
+
+
 @dataclass
 class LaunchConfig:
     model: str | None = None
@@ -51,15 +63,32 @@ class LaunchConfig:
     collect_detailed_traces: bool = False
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment for every service
     tls: TlsFiles = field(default_factory=TlsFiles)  # the same files for every service (one test CA)
+    # Model replicas after the first (scheduler_port, worker_ports): the frontend routes across all of them.
+    extra_replicas: list[ReplicaPorts] = field(default_factory=list)
+
+    @property
+    def replicas(self) -> list[ReplicaPorts]:
+        return [ReplicaPorts(self.scheduler_port, self.worker_ports), *self.extra_replicas]
+
+    def with_replicas(self, n: int) -> LaunchConfig:
+        """N replicas at the first one's ports + k x REPLICA_PORT_STRIDE."""
+        step = REPLICA_PORT_STRIDE
+        self.extra_replicas = [
+            ReplicaPorts(self.scheduler_port + k * step, [p + k * step for p in self.worker_ports]) for k in range(1, n)
+        ]
+        return self
 
     @classmethod
-    def on_loopback(cls, num_workers: int = 1, **overrides: Any) -> LaunchConfig:
+    def on_loopback(cls, num_workers: int = 1, replicas: int = 1, **overrides: Any) -> LaunchConfig:
         """Every service on 127.0.0.1 with free ports (tests, benchmarks: several clusters may run at once)."""
         ports = {
             "grpc_port": free_port(),
             "http_port": free_port(),
             "scheduler_port": free_port(),
             "worker_ports": [free_port() for _ in range(num_workers)],
+            "extra_replicas": [
+                ReplicaPorts(free_port(), [free_port() for _ in range(num_workers)]) for _ in range(replicas - 1)
+            ],
         }
         return cls(host="127.0.0.1", **(ports | overrides))
 
@@ -105,6 +134,19 @@ class LocalCluster:
     @property
     def scheduler_addr(self) -> str:
         return f"127.0.0.1:{self.config.scheduler_port}"
+
+    @property
+    def scheduler_addrs(self) -> list[str]:
+        """Every replica's scheduler (the first is `scheduler_addr`)."""
+        return [f"127.0.0.1:{r.scheduler_port}" for r in self.config.replicas]
+
+    @staticmethod
+    def replica_names(k: int, num_workers: int) -> tuple[str, list[str]]:
+        """Replica k's scheduler and worker service names: `scheduler`, `worker0`... for the first (as with one
+        replica), `scheduler1`, `worker1-0`... for the next."""
+        if k == 0:
+            return "scheduler", [f"worker{r}" for r in range(num_workers)]
+        return f"scheduler{k}", [f"worker{k}-{r}" for r in range(num_workers)]
 
     def spawn(
         self, name: str, module: str, args: list[str], addr: str, health_service: str, env: dict[str, str]
@@ -157,33 +199,43 @@ class LocalCluster:
         return args + (["--collect-detailed-traces"] if c.collect_detailed_traces else [])
 
     def metrics_port(self, service: str) -> int:
-        """The /metrics port of `scheduler` or `worker{rank}` (-1: off)."""
+        """The /metrics port of a scheduler or worker (-1: off): replica k's block starts at metrics_port +
+        k x (1 + workers), its scheduler first, then its workers by rank."""
         c = self.config
         if c.metrics_port < 0:
             return -1
-        return c.metrics_port if service == "scheduler" else c.metrics_port + 1 + int(service.removeprefix("worker"))
+        per_replica = 1 + len(c.worker_ports)
+        for k in range(len(c.replicas)):
+            scheduler, workers = self.replica_names(k, len(c.worker_ports))
+            base = c.metrics_port + k * per_replica
+            if service == scheduler:
+                return base
+            if service in workers:
+                return base + 1 + workers.index(service)
+        raise KeyError(service)
 
     def start(self) -> None:
         c = self.config
         model = ["--model", c.model] if c.model else []
         threads = ["--num-threads", str(c.num_threads)] if c.num_threads else []
         tracing = self._tracing_args()
-        for rank, port in enumerate(c.worker_ports):
-            # NOTE: no --host: internal services bind to their default, loopback (the security tests check it).
-            args = ["--worker-port", str(port), *model, "--dtype", c.dtype]
-            args += ["--metrics-port", str(self.metrics_port(f"worker{rank}")), *tracing]
-            args += ["--kv-cache-memory", str(c.kv_cache_memory), "--max-num-seqs", str(c.max_num_seqs), *threads]
+        for k, replica in enumerate(c.replicas):
+            scheduler, workers = self.replica_names(k, len(replica.worker_ports))
+            for name, port in zip(workers, replica.worker_ports, strict=True):
+                # NOTE: no --host: internal services bind to their default, loopback (the security tests check it).
+                args = ["--worker-port", str(port), *model, "--dtype", c.dtype]
+                args += ["--metrics-port", str(self.metrics_port(name)), *tracing]
+                args += ["--kv-cache-memory", str(c.kv_cache_memory), "--max-num-seqs", str(c.max_num_seqs), *threads]
+                self._spawn(name, "services.worker", args + c.extra_worker_args, f"127.0.0.1:{port}", WORKER_SERVICE)
+            worker_addrs = ",".join(f"127.0.0.1:{p}" for p in replica.worker_ports)
+            args = ["--scheduler-port", str(replica.scheduler_port), "--worker-addrs", worker_addrs]
+            args += ["--max-num-seqs", str(c.max_num_seqs), "--metrics-port", str(self.metrics_port(scheduler))]
+            addr = f"127.0.0.1:{replica.scheduler_port}"
             self._spawn(
-                f"worker{rank}", "services.worker", args + c.extra_worker_args, f"127.0.0.1:{port}", WORKER_SERVICE
+                scheduler, "services.scheduler", args + tracing + c.extra_scheduler_args, addr, SCHEDULER_SERVICE
             )
-        workers = ",".join(f"127.0.0.1:{p}" for p in c.worker_ports)
-        args = ["--scheduler-port", str(c.scheduler_port), "--worker-addrs", workers]
-        args += ["--max-num-seqs", str(c.max_num_seqs), "--metrics-port", str(self.metrics_port("scheduler")), *tracing]
-        self._spawn(
-            "scheduler", "services.scheduler", args + c.extra_scheduler_args, self.scheduler_addr, SCHEDULER_SERVICE
-        )
         args = ["--host", c.host, "--grpc-port", str(c.grpc_port), "--http-port", str(c.http_port)]
-        args += ["--scheduler-addr", self.scheduler_addr, *model, *tracing]
+        args += ["--scheduler-addr", ",".join(self.scheduler_addrs), *model, *tracing]
         self._spawn(
             "frontend", "services.frontend", args + c.extra_frontend_args, self.frontend_addr, GENERATION_SERVICE
         )
@@ -212,7 +264,7 @@ class LocalCluster:
     def stop(self, timeout: float = 60.0) -> dict[str, int | None]:
         """SIGTERM in dependency order (each drains), SIGKILL after `timeout`; returns the exit codes."""
         codes: dict[str, int | None] = {}
-        order = sorted(self.services, key=lambda s: {"frontend": 0, "scheduler": 1}.get(s.name, 2))
+        order = sorted(self.services, key=lambda s: 0 if s.name == "frontend" else 1 if "scheduler" in s.name else 2)
         for service in order:
             proc = service.process
             if proc.poll() is None:
@@ -231,9 +283,8 @@ class LocalCluster:
         out = {"frontend (gRPC)": f"{self.config.host}:{self.config.grpc_port}"}
         if self.config.http_port >= 0:
             out["frontend (OpenAI HTTP)"] = f"http://{self.config.host}:{self.config.http_port}/v1"
-        out["scheduler"] = self.scheduler_addr
         for s in self.services:
-            if s.name.startswith("worker"):
+            if s.name.startswith(("scheduler", "worker")):
                 out[s.name] = s.addr
         if self.config.http_port >= 0:
             out["metrics (frontend)"] = f"http://{self.config.host}:{self.config.http_port}/metrics"

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from engine_core.core.kv_events import KvEventBuffer
+
 
 @dataclass(eq=False)
 class KVBlock:
@@ -73,6 +75,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        self.events: KvEventBuffer | None = None  # KV-cache events for routers (scheduler service); None: off
 
     @property
     def num_free(self) -> int:
@@ -117,17 +120,22 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached.get(block_hash)
 
-    def register(self, block: KVBlock, block_hash: bytes) -> None:
-        """Makes a full block findable by its hash. A duplicate (same tokens computed twice) stays private."""
+    def register(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Makes a full block findable by its hash. A duplicate (same tokens computed twice) stays private.
+
+        Returns whether the hash is new to the cache."""
         if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
-            return
+            return False
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
             self.num_evictions += 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine_core.core.block_pool import BlockPool, KVBlock
+from engine_core.core.kv_events import salt_scope
 from engine_core.core.prefix_cache import extend_block_hashes
 from engine_core.core.request import Sequence
 
@@ -122,8 +123,16 @@ class KVCacheManager:
             return
         hashes = self._block_hashes(seq)
         table = self.tables[seq.seq_id]
-        for i in range(start, num_full):
-            self.pool.register(table[i], hashes[i])
+        events = self.pool.events
+        if events is None:
+            for i in range(start, num_full):
+                self.pool.register(table[i], hashes[i])
+        else:
+            stored = [hashes[i] for i in range(start, num_full) if self.pool.register(table[i], hashes[i])]
+            # NOTE: the parent of the first block written here (a duplicate in between still chains: the router
+            # keeps a set of hashes, and a duplicate's hash is resident through its twin).
+            parent = hashes[start - 1] if start else None
+            events.stored(stored, parent, self.block_size, salt_scope(seq.request.cache_salt))
         self._num_registered[seq.seq_id] = num_full
 
     def free(self, seq: Sequence) -> None:

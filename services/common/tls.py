@@ -77,7 +77,7 @@ def sync_channel(addr: str, tls: TlsFiles, options: list[tuple[str, int]]) -> gr
 def aio_channel(
     addr: str,
     tls: TlsFiles,
-    options: list[tuple[str, int]],
+    options: list[tuple[str, int | str]],
     interceptors: list[grpc.aio.ClientInterceptor] | None = None,
 ) -> grpc.aio.Channel:
     creds = tls.channel_credentials()

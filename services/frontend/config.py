@@ -14,6 +14,8 @@ from services.common.tls import TlsFiles
 from services.frontend.auth import read_keys
 from services.frontend.http_guard import HttpConnectionLimits
 from services.frontend.limits import ApiLimits
+from services.frontend.replica_discovery import ReplicaSource, parse_replica_source
+from services.frontend.routing_policy import ROUTING_POLICIES
 from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT
 from services.frontend.tool_calls import ToolSettings
 from services.frontend.tool_parsers import TOOL_PARSERS
@@ -27,6 +29,8 @@ class FrontendConfig:
     grpc_port: int
     http_port: int | None  # None: no HTTP API
     scheduler_addr: str
+    replicas: ReplicaSource  # the scheduler replicas `scheduler_addr` names
+    routing_policy: str  # round_robin | least_load | prefix: which replica gets a request
     model: str | None  # for the tokenizer (the weights live on the workers)
     tokenizer: str | None
     cache_dir: str
@@ -57,7 +61,18 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         type=int,
         help="OpenAI-compatible HTTP port (-1 disables it)",
     )
-    add_flag(p, "--scheduler-addr", default=f"localhost:{ports.SCHEDULER_PORT}", help="the scheduler's address")
+    add_flag(
+        p,
+        "--scheduler-addr",
+        default=f"localhost:{ports.SCHEDULER_PORT}",
+        help="the scheduler replicas: host:port, a comma-separated list, or dns:///name:port (a headless Service)",
+    )
+    add_flag(
+        p,
+        "--routing-policy",
+        default="prefix",
+        help=f"how requests are spread over scheduler replicas: {' | '.join(ROUTING_POLICIES)}",
+    )
     add_engine_flags(p, MODEL_FIELDS)
     add_flag(p, "--max-inflight", default=4096, type=int, help="requests in flight before RESOURCE_EXHAUSTED")
     add_flag(p, "--scheduler-timeout", default=600.0, type=float, help="seconds to wait for the scheduler at start")
@@ -111,7 +126,10 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
     a = p.parse_args(argv)
     if a.prefix_cache_isolation not in PREFIX_CACHE_ISOLATION:
         p.error(f"--prefix-cache-isolation must be one of {PREFIX_CACHE_ISOLATION}, got {a.prefix_cache_isolation!r}")
+    if a.routing_policy not in ROUTING_POLICIES:
+        p.error(f"--routing-policy must be one of {ROUTING_POLICIES}, got {a.routing_policy!r}")
     try:
+        replicas = parse_replica_source(a.scheduler_addr)
         limits, tls = ApiLimits.from_args(a), TlsFiles.from_args(a)
         tools = ToolSettings(a.enable_auto_tool_choice, a.tool_call_parser)
         api_keys = read_keys(a.api_keys, a.api_keys_file)
@@ -130,6 +148,8 @@ def parse_frontend_args(argv: list[str] | None = None) -> FrontendConfig:
         grpc_port=a.grpc_port,
         http_port=None if a.http_port < 0 else a.http_port,
         scheduler_addr=a.scheduler_addr,
+        replicas=replicas,
+        routing_policy=a.routing_policy,
         model=a.model,
         tokenizer=a.tokenizer,
         cache_dir=default_cache_dir(),

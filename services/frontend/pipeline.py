@@ -43,6 +43,7 @@ from services.frontend.request import (
     Timings,
     Usage,
 )
+from services.frontend.router import RoutedCall, SchedulerRouter
 from services.frontend.scheduler_client import SchedulerClient, rpc_error
 from services.frontend.tokenization import PromptTokenizer
 from services.frontend.tracing import RequestSpan, operation_name, request_attributes
@@ -66,7 +67,7 @@ class RequestPipeline:
     def __init__(
         self,
         tokenizer: PromptTokenizer,
-        client: SchedulerClient,
+        client: SchedulerRouter | SchedulerClient,
         model: ModelDescription,
         policy: AdmissionPolicy,
         metrics: RequestMetrics | None = None,
@@ -197,7 +198,7 @@ class RequestPipeline:
                 req.span.finish(rid, None, len(req.prompt_token_ids), err.code.value, err.message)
             raise err
         self.active.add(key)
-        call: grpc.aio.UnaryStreamCall | None = None
+        call: RoutedCall | grpc.aio.UnaryStreamCall | None = None
         output: RequestOutput | None = None
         span = req.span
         done = False

@@ -33,10 +33,18 @@ def rpc_error(e: grpc.aio.AioRpcError) -> RequestError:
 
 class SchedulerClient:
     def __init__(
-        self, addr: str, tls: TlsFiles | None = None, interceptors: list[grpc.aio.ClientInterceptor] | None = None
+        self,
+        addr: str,
+        tls: TlsFiles | None = None,
+        interceptors: list[grpc.aio.ClientInterceptor] | None = None,
+        tls_name: str | None = None,
     ) -> None:
         self.addr = addr
-        self.channel = aio_channel(addr, tls or TlsFiles(), CHANNEL_OPTIONS, interceptors)
+        options: list[tuple[str, int | str]] = list(CHANNEL_OPTIONS)
+        if tls_name:
+            # NOTE: a pod's IP from the headless Service's DNS: its certificate names the Service, not the IP.
+            options.append(("grpc.ssl_target_name_override", tls_name))
+        self.channel = aio_channel(addr, tls or TlsFiles(), options, interceptors)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
 
     async def wait_ready(self, timeout: float) -> scheduler_pb2.InfoResponse:

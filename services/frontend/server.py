@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import grpc
 import structlog
 import uvicorn
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from prometheus_client import CollectorRegistry
@@ -23,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from engine_core.checkpoint.model_files import model_name, read_generation_eos, resolve_model_dir
 from engine_core.io.tokenizer import load_tokenizer
 from services.common.grpc_opts import server_options
-from services.common.health import HEALTH_SERVICE, SERVING, ServiceHealth
+from services.common.health import HEALTH_SERVICE, ServiceHealth
 from services.common.logs import configure_logging
 from services.common.metrics import service_registry
 from services.common.signals import ignore_late_signals, shutdown_event
@@ -37,9 +36,10 @@ from services.frontend.metrics import RequestMetrics, add_metrics_route
 from services.frontend.openai_api import create_app
 from services.frontend.pipeline import AdmissionPolicy, RequestPipeline
 from services.frontend.request import ModelDescription
-from services.frontend.scheduler_client import SchedulerClient
+from services.frontend.router import SchedulerRouter
+from services.frontend.routing_policy import RoutingPolicy
 from services.frontend.tokenization import PromptTokenizer
-from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, generation_pb2_grpc
+from services.rpc import GENERATION_SERVICE, generation_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
@@ -52,7 +52,7 @@ class _Uvicorn(uvicorn.Server):
 
 
 async def _load_pipeline(
-    config: FrontendConfig, client: SchedulerClient, registry: CollectorRegistry, telemetry: Telemetry | None
+    config: FrontendConfig, client: SchedulerRouter, registry: CollectorRegistry, telemetry: Telemetry | None
 ) -> RequestPipeline:
     model_dir = await asyncio.to_thread(resolve_model_dir, config.model, config.cache_dir)
     model_tokenizer = await asyncio.to_thread(load_tokenizer, config.tokenizer or model_dir, config.cache_dir)
@@ -90,19 +90,14 @@ async def _load_pipeline(
     return RequestPipeline(tokenizer, client, model, policy, metrics, telemetry)
 
 
-async def _watch_scheduler(client: SchedulerClient, health: ServiceHealth, pipeline: RequestPipeline) -> None:
-    """Mirrors the scheduler's health: a frontend without a scheduler must not attract traffic."""
-    stub = health_pb2_grpc.HealthStub(client.channel)
+async def _watch_scheduler(client: SchedulerRouter, health: ServiceHealth, pipeline: RequestPipeline) -> None:
+    """Serving while at least one scheduler replica serves: a frontend without one must not attract traffic."""
     while not pipeline.draining:
-        try:
-            resp = await stub.Check(health_pb2.HealthCheckRequest(service=SCHEDULER_SERVICE), timeout=2.0)
-            up = resp.status == SERVING
-        except grpc.aio.AioRpcError:
-            up = False
+        up = client.num_ready > 0
         if up != health.serving and not pipeline.draining:
-            log.warning("scheduler health changed", serving=up)
+            log.warning("scheduler health changed", serving=up, replicas=len(client.replicas))
             await health.set_serving(up)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(0.5)
 
 
 async def serve(config: FrontendConfig, telemetry: Telemetry | None = None) -> int:
@@ -121,9 +116,13 @@ async def serve(config: FrontendConfig, telemetry: Telemetry | None = None) -> i
     await server.start()
     log.info("frontend gRPC listening", addr=f"{config.host}:{grpc_port}", scheduler=config.scheduler_addr)
     stop = shutdown_event()
-    client = SchedulerClient(
-        config.scheduler_addr, config.tls, telemetry.client_interceptors() if telemetry is not None else None
+    client = SchedulerRouter(
+        config.replicas,
+        RoutingPolicy(config.routing_policy),
+        config.tls,
+        telemetry.client_interceptors() if telemetry is not None else None,
     )
+    await client.start()
     registry = service_registry()
     loading = asyncio.ensure_future(_load_pipeline(config, client, registry, telemetry))
     await asyncio.wait([loading, asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED)

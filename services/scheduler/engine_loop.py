@@ -20,6 +20,7 @@ import structlog
 from prometheus_client import CollectorRegistry
 
 from engine_core.config import EngineConfig
+from engine_core.core.kv_events import KvEvent, KvEventBuffer
 from engine_core.core.request import FinishReason, Request
 from engine_core.core.seq_output import SeqOutput, ending_outputs
 from engine_core.engine import EngineCore
@@ -87,6 +88,7 @@ class _Stop:
 
 _Command = _Add | _Abort | _FinishChoice | _Stop
 Publish = Callable[[list[RequestEvent]], None]
+PublishKv = Callable[[list[KvEvent]], None]
 Events = dict[Request, RequestEvent]
 
 
@@ -98,9 +100,13 @@ class EngineLoop:
         on_ready: Callable[[bool], None],
         telemetry: Telemetry | None = None,
         registry: CollectorRegistry | None = None,
+        publish_kv: PublishKv | None = None,
     ) -> None:
         self.config = config
         self.publish = publish
+        self.publish_kv = publish_kv
+        # NOTE: filled by the block pool on this thread, handed over once per iteration (off: no buffer, no cost).
+        self._kv_events = KvEventBuffer() if publish_kv is not None else None
         self.on_ready = on_ready
         self.registry = registry
         self.executor = RemoteExecutor(
@@ -186,11 +192,17 @@ class EngineLoop:
             num_kv_blocks=num_blocks,
         )
         core = EngineCore(engine_config, self.executor, info.max_model_len, num_blocks)
+        if self._kv_events is not None:
+            # NOTE: a fresh engine has an empty cache: whatever a router knew of the previous one is gone.
+            self._kv_events.take()
+            self._kv_events.cleared()
+            core.scheduler.kv.pool.events = self._kv_events
         if self.registry is not None and self.executor.step_metrics is None:
             self.executor.step_metrics = StepMetrics(self.registry, info.model)
         if self.recovery is not None:
             self.recovery.start(info.model)
         self.info, self.core = info, core
+        self._flush_kv()
         self._publish_stats()
         log.info("engine ready", workers=len(self.config.worker_addrs), blocks=num_blocks, model=info.model)
         self.on_ready(True)
@@ -205,6 +217,7 @@ class EngineLoop:
             self._apply_isolated(core, cmd, events)
         if self._stopping or (idle and not cmds):
             self._flush(events)
+            self._flush_kv()
             if not self._stopping:
                 self._heartbeat()
             return
@@ -249,11 +262,16 @@ class EngineLoop:
             event.first_token_ns = monotonic_to_ns(t.first_token)
             event.finished_ns = monotonic_to_ns(t.finished)
         self._flush(events)
+        self._flush_kv()
         self._publish_stats()
 
     def _flush(self, events: Events) -> None:
         if events:
             self.publish(list(events.values()))
+
+    def _flush_kv(self) -> None:
+        if self._kv_events is not None and self.publish_kv is not None and self._kv_events.events:
+            self.publish_kv(self._kv_events.take())
 
     def _heartbeat(self) -> None:
         """Idle: is every worker alive, answering and still on our cache epoch? (A step's deadline covers busy.)"""

@@ -16,6 +16,7 @@ from opentelemetry import trace as otel_trace
 from opentelemetry.trace import Span
 from prometheus_client import CollectorRegistry
 
+from engine_core.core.kv_events import KvEvent
 from engine_core.core.prompt_checks import check_token_ids
 from engine_core.core.request import Request
 from services.common.grpc_opts import SERVER_OPTIONS
@@ -34,6 +35,8 @@ from services.convert.ranges import check_wire_ranges
 from services.rpc import SCHEDULER_SERVICE, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerConfig, parse_scheduler_args
 from services.scheduler.engine_loop import EngineLoop, RequestEvent
+from services.scheduler.kv_event_hub import KvEventHub
+from services.scheduler.kv_event_stream import watch_kv_events
 from services.scheduler.tracing import record_request
 
 log = structlog.get_logger(__name__)
@@ -76,7 +79,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.health = health
         self.telemetry = telemetry
         self.loop = asyncio.get_running_loop()
-        self.engine = EngineLoop(config, self._publish_threadsafe, self._on_ready_threadsafe, telemetry, registry)
+        self.kv_events = KvEventHub()
+        self.engine = EngineLoop(
+            config,
+            self._publish_threadsafe,
+            self._on_ready_threadsafe,
+            telemetry,
+            registry,
+            self._publish_kv_threadsafe,
+        )
         # NOTE: keyed by the scoped id (tenant/request_id), which is also the engine's request id: two tenants'
         # equal ids are two requests, and an id never answers for another tenant's request.
         self.streams: dict[str, _Stream] = {}
@@ -88,6 +99,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     # ---- engine thread -> event loop -------------------------------------------------------------------------
     def _publish_threadsafe(self, events: list[RequestEvent]) -> None:
         self.loop.call_soon_threadsafe(self._dispatch, events)
+
+    def _publish_kv_threadsafe(self, events: list[KvEvent]) -> None:
+        self.loop.call_soon_threadsafe(self._publish_kv, events)
+
+    def _publish_kv(self, events: list[KvEvent]) -> None:
+        info = self.engine.info
+        if info is not None:
+            self.kv_events.block_size = info.block_size  # NOTE: known before the first block is stored
+        self.kv_events.publish(events)
 
     def _on_ready_threadsafe(self, ready: bool) -> None:
         self.loop.call_soon_threadsafe(self._set_ready, ready)
@@ -270,6 +290,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             worker_seconds=s.worker_seconds,
             running_requests=e.running_requests,
             waiting_requests=e.waiting_requests,
+        )
+
+    async def WatchKvEvents(
+        self, request: scheduler_pb2.WatchKvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.KvEventBatch]:
+        async for batch in watch_kv_events(self.kv_events, request.from_seq, request.stream_id, self._load, context):
+            yield batch
+
+    def _load(self) -> scheduler_pb2.KvLoad:
+        e = self.engine.stats.engine
+        return scheduler_pb2.KvLoad(
+            running=e.running,
+            waiting=e.waiting,
+            kv_usage=e.kv_usage,
+            running_requests=e.running_requests,
+            waiting_requests=e.waiting_requests,
+            free_blocks=e.free_blocks,
+            total_blocks=e.total_blocks,
         )
 
     async def Info(

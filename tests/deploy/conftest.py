@@ -18,7 +18,17 @@ RELEASE = "pg"
 NAMESPACE = "llm"
 # Value profiles: each file under helm/pagoda/ci/ on top of values.yaml ("default": values.yaml alone); "a+b" layers
 # b's file over a's, as `-f a -f b` does.
-SINGLE_PROFILES = ["default", "gpu", "cpu", "multi-worker", "observability", "secured", "extras", "repository"]
+SINGLE_PROFILES = [
+    "default",
+    "gpu",
+    "cpu",
+    "multi-worker",
+    "observability",
+    "secured",
+    "extras",
+    "repository",
+    "replicas",
+]
 # The combinations docs/deploy.md promises: TLS with observability (ServiceMonitor over HTTPS, KEDA autoscaling,
 # tracing), on GPUs, with several ranks and the frontends' HPA, with the escape hatches and fetched weights.
 COMBINED_PROFILES = [
@@ -26,7 +36,11 @@ COMBINED_PROFILES = [
     "gpu+secured+observability",
     "gpu+multi-worker+secured",
     "cpu+observability+extras+repository",
+    "replicas+secured+observability",
+    "gpu+replicas+extras+repository",
 ]
+# Profiles whose model replicas run as engine pods (a scheduler and its worker side by side).
+REPLICATED = [p for p in SINGLE_PROFILES + COMBINED_PROFILES if "replicas" in p.split("+")]
 PROFILES = SINGLE_PROFILES + COMBINED_PROFILES
 
 
@@ -75,8 +89,17 @@ class Rendered:
         return [o for kind in ("Deployment", "StatefulSet") for o in self.by_kind.get(kind, [])]
 
     def component(self, name: str) -> dict[str, Any]:
-        """The workload of a component (frontend, scheduler, worker, jaeger)."""
-        return next(w for w in self.workloads() if w["metadata"]["labels"]["app.kubernetes.io/component"] == name)
+        """The workload of a component (frontend, scheduler, worker, jaeger); with model replicas the scheduler and
+        the worker are containers of the engine pod's workload."""
+        labelled = [w for w in self.workloads() if w["metadata"]["labels"]["app.kubernetes.io/component"] == name]
+        if not labelled and name in ("scheduler", "worker"):
+            return self.component("engine")
+        return labelled[0]
+
+    def container(self, name: str) -> dict[str, Any]:
+        """The Pagoda container of a component (its workload's only one, or the engine pod's of that name)."""
+        containers = self.component(name)["spec"]["template"]["spec"]["containers"]
+        return containers[0] if len(containers) == 1 else next(c for c in containers if c["name"] == name)
 
 
 _cache: dict[str, Rendered] = {}

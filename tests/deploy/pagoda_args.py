@@ -42,7 +42,9 @@ def pagoda_containers(rendered: Any) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for w in rendered.workloads():
         component = w["metadata"]["labels"]["app.kubernetes.io/component"]
-        if component in PARSERS:
+        if component == "engine":  # model replicas: a scheduler and its worker in one pod
+            out += [(c["name"], c) for c in w["spec"]["template"]["spec"]["containers"]]
+        elif component in PARSERS:
             (container,) = w["spec"]["template"]["spec"]["containers"]
             out.append((component, container))
     return out

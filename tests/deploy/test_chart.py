@@ -11,7 +11,7 @@ import yaml
 from services.common.health import LIVENESS_SERVICE
 from services.model_fetch import parse_args as parse_fetch_args
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
-from tests.deploy.conftest import CHART, NAMESPACE, PROFILES, Rendered, helm, helm_template, profile_args
+from tests.deploy.conftest import CHART, NAMESPACE, PROFILES, REPLICATED, Rendered, helm, helm_template, profile_args
 from tests.deploy.pagoda_args import arg_value, container_env, pagoda_containers, parse_container
 
 # The oldest Kubernetes the chart supports (gRPC probes are GA in 1.27) and the newest offline schema.
@@ -82,7 +82,7 @@ def _probe_target(probe: dict[str, Any]) -> tuple[int, str]:
 def test_probes_use_registered_health_names_on_container_ports(render: Any, profile: str) -> None:
     for component, container in pagoda_containers(render(profile)):
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-        grpc_port = ports["grpc"]
+        grpc_port = ports.get("grpc") or ports["worker-grpc"]  # NOTE: port names are unique within the engine pod
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             port, service = _probe_target(container[kind])
             assert port == grpc_port, (component, kind)
@@ -185,7 +185,7 @@ def test_security_context_and_resources_on_every_container(render: Any, profile:
 
 
 def test_scheduler_is_a_single_recreated_replica(render: Any) -> None:
-    for profile in PROFILES:
+    for profile in [p for p in PROFILES if p not in REPLICATED]:
         scheduler = render(profile).component("scheduler")
         assert scheduler["kind"] == "Deployment" and scheduler["spec"]["replicas"] == 1
         assert scheduler["spec"]["strategy"] == {"type": "Recreate"}
@@ -253,7 +253,10 @@ def test_secured_profile_mounts_secrets(render: Any) -> None:
             assert arg_value(container, "--prefix-cache-isolation") == "api-key"
 
 
-@pytest.mark.parametrize("profile", ["observability", "secured+observability", "gpu+secured+observability"])
+@pytest.mark.parametrize(
+    "profile",
+    ["observability", "secured+observability", "gpu+secured+observability", "replicas+secured+observability"],
+)
 def test_service_monitor_scrapes_with_the_scheme_the_services_serve(render: Any, profile: str) -> None:
     """With TLS every /metrics endpoint is HTTPS (the frontend's HTTP port, the scheduler's and workers' metrics
     ports, all with the pod's certificate): the ServiceMonitor verifies them with the release's CA."""
@@ -262,7 +265,10 @@ def test_service_monitor_scrapes_with_the_scheme_the_services_serve(render: Any,
     (monitor,) = r.by_kind["ServiceMonitor"]
     endpoints = {e["port"]: e for e in monitor["spec"]["endpoints"]}
     service_names = {s["metadata"]["name"] for s in r.by_kind["Service"]}
-    for port, components in (("http", ["frontend"]), ("metrics", ["scheduler", "worker"])):
+    scraped = (("http", ["frontend"]), ("metrics", ["scheduler", "worker"]))
+    if profile in REPLICATED:  # the engine pods' workers: their own port on the engine's Service
+        scraped += (("worker-metrics", ["worker"]),)
+    for port, components in scraped:
         endpoint = endpoints[port]
         assert endpoint["scheme"] == ("https" if secured else "http"), port
         if not secured:
@@ -272,16 +278,16 @@ def test_service_monitor_scrapes_with_the_scheme_the_services_serve(render: Any,
         assert tls["ca"]["secret"] == {"name": "pagoda-tls", "key": "ca.crt"}
         assert tls["serverName"] in service_names  # the certificate names every Service
         for component in components:
-            container = pod_spec(r.component(component))["containers"][0]
+            container = r.container(component)
             # The service serves that port with its certificate: the TLS flags are on its command line.
             assert arg_value(container, "--tls-cert-file") and arg_value(container, "--tls-key-file"), component
             config = parse_container(r, component, container)
             assert config.tls.cert_file and config.tls.key_file
             ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-            if port == "metrics":
-                assert config.metrics_port == ports["metrics"], component
-            else:
+            if port == "http":
                 assert config.http_port == ports["http"]
+            else:
+                assert config.metrics_port == ports.get("metrics", ports.get("worker-metrics")), component
 
 
 def test_escape_hatches_reach_every_component(render: Any) -> None:
@@ -419,3 +425,52 @@ def test_chat_content_special_tokens_is_off_unless_set(render: Any) -> None:
     assert out.returncode == 0, out.stderr
     r = Rendered("trusted", [o for o in yaml.safe_load_all(out.stdout) if o])
     assert parse_container(r, "frontend", dict(pagoda_containers(r))["frontend"]).chat_content_special_tokens
+
+
+def test_model_replicas_are_engine_pods_the_frontends_find_by_dns(render: Any) -> None:
+    r: Rendered = render("replicas")
+    engine = r.component("engine")
+    assert engine["kind"] == "Deployment" and engine["spec"]["replicas"] == 2
+    assert {w["metadata"]["labels"][COMPONENT] for w in r.workloads()} == {"frontend", "engine"}
+    spec = pod_spec(engine)
+    assert [c["name"] for c in spec["containers"]] == ["scheduler", "worker"]
+    scheduler = parse_container(r, "scheduler", r.container("scheduler"))
+    worker = parse_container(r, "worker", r.container("worker"))
+    # The scheduler's one worker is its own pod's (its Service name is an alias of loopback there).
+    ((host, port),) = [a.rsplit(":", 1) for a in scheduler.worker_addrs]
+    assert int(port) == worker.port and spec["hostAliases"] == [{"ip": "127.0.0.1", "hostnames": [host]}]
+    headless = r.get("Service", engine["metadata"]["name"])
+    assert headless["spec"]["clusterIP"] == "None"
+    frontend = parse_container(r, "frontend", r.container("frontend"))
+    assert frontend.replicas.dns_host == f"{headless['metadata']['name']}.{NAMESPACE}.svc.cluster.local"
+    assert frontend.replicas.dns_port == scheduler.port and frontend.routing_policy == "prefix"
+    (pdb,) = [p for p in r.by_kind["PodDisruptionBudget"] if p["metadata"]["name"] == engine["metadata"]["name"]]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == engine["spec"]["selector"]["matchLabels"]
+    (policy,) = [p for p in r.by_kind["NetworkPolicy"] if p["metadata"]["name"] == engine["metadata"]["name"]]
+    admitted = {p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]}
+    assert scheduler.port in admitted and worker.port not in admitted  # the worker: loopback only
+
+
+def test_engine_autoscaling_scales_the_replicas_on_their_own_queue() -> None:
+    out = helm_template(
+        "-f", str(CHART / "ci" / "observability-values.yaml"), "--set", "modelReplicas.autoscaling.enabled=true"
+    )
+    assert out.returncode == 0, out.stderr
+    objects = [o for o in yaml.safe_load_all(out.stdout) if o]
+    engine = next(o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"].endswith("-engine"))
+    assert "replicas" not in engine["spec"]  # KEDA owns the count
+    scaled = [
+        o
+        for o in objects
+        if o["kind"] == "ScaledObject" and o["spec"]["scaleTargetRef"]["name"] == engine["metadata"]["name"]
+    ]
+    (trigger,) = scaled[0]["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    assert query.startswith("sum(pagoda:num_requests_waiting{")
+    assert f'namespace="{NAMESPACE}"' in query and f'service="{engine["metadata"]["name"]}"' in query
+
+
+def test_multi_rank_replicas_are_refused() -> None:
+    out = helm_template("--set", "modelReplicas.count=2", "--set", "worker.replicas=2")
+    assert out.returncode != 0 and "worker.replicas" in out.stderr

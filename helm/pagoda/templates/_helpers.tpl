@@ -39,6 +39,20 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{ include "pagoda.name" (dict "root" . "component" "scheduler") }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.scheduler.port }}
 {{- end -}}
 
+{{/* Whether the model replicas run as engine pods (scheduler + worker side by side, behind a headless Service). */}}
+{{- define "pagoda.replicated" -}}
+{{- if or (gt (int .Values.modelReplicas.count) 1) .Values.modelReplicas.autoscaling.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The frontends' --scheduler-addr: the scheduler's Service, or every engine pod through the headless Service. */}}
+{{- define "pagoda.frontendSchedulerAddr" -}}
+{{- if include "pagoda.replicated" . -}}
+dns:///{{ include "pagoda.name" (dict "root" . "component" "engine") }}.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}:{{ .Values.scheduler.port }}
+{{- else -}}
+{{ include "pagoda.schedulerAddr" . }}
+{{- end -}}
+{{- end -}}
+
 {{/* The workers in rank order: the StatefulSet's pod DNS names under its headless Service. */}}
 {{- define "pagoda.workerAddrs" -}}
 {{- $name := include "pagoda.name" (dict "root" . "component" "worker") -}}
