@@ -34,6 +34,7 @@ class LaunchConfig:
     model: str | None = None
     dtype: str = field_default("dtype")
     kv_cache_memory: float = field_default("kv_cache_memory")
+    kv_cache_dtype: str = field_default("kv_cache_dtype")
     host: str = "0.0.0.0"  # the frontend's bind address; internal services bind to loopback
     grpc_port: int = ports.FRONTEND_GRPC_PORT
     http_port: int = ports.FRONTEND_HTTP_PORT
@@ -170,7 +171,7 @@ class LocalCluster:
         tracing = self._tracing_args()
         for rank, port in enumerate(c.worker_ports):
             # NOTE: no --host: internal services bind to their default, loopback (the security tests check it).
-            args = ["--worker-port", str(port), *model, "--dtype", c.dtype]
+            args = ["--worker-port", str(port), *model, "--dtype", c.dtype, "--kv-cache-dtype", c.kv_cache_dtype]
             args += ["--metrics-port", str(self.metrics_port(f"worker{rank}")), *tracing]
             args += ["--kv-cache-memory", str(c.kv_cache_memory), "--max-num-seqs", str(c.max_num_seqs), *threads]
             self._spawn(
