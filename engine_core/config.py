@@ -39,7 +39,7 @@ class EngineConfig:
     tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's)")
     # NOTE: bfloat16 on CUDA runs the matmuls and the attention dots on tensor cores. On CPU it runs the GEMMs with
     # bf16 weights (AVX-512 BF16 / AMX; activations float32, model/layers/cpu_bfloat16.py); float32 stays the CPU
-    # default, exact (docs/decisions.md, "float32 stays the CPU default").
+    # default, exact (docs/decisions.md, "CPU kernels").
     dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
     device: str = _opt("cpu", "cpu | cuda | cuda:N")
     seed: int = _opt(0, "seed of the shared sampling generator")
