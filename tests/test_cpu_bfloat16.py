@@ -124,3 +124,15 @@ def test_kv_cache_dtype_names_the_flag_when_refused(tiny_dir: Path) -> None:
         ValueError, match=r"kv_cache_dtype='bfloat16' needs attention in bfloat16.*kv_cache_dtype='auto'"
     ):
         ModelRunner(EngineConfig(model=str(tiny_dir), kv_cache_dtype="bfloat16", num_kv_blocks=4), str(tiny_dir))
+
+
+def test_the_worker_and_serve_flags_take_kv_cache_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import _parser
+    from services.worker.config import parse_worker_args
+
+    assert parse_worker_args(["--kv-cache-dtype", "bfloat16"]).engine.kv_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parse_worker_args(["--kv-cache-dtype", "fp8_e5m2"])
+    assert "kv_cache_dtype must be one of" in capsys.readouterr().err
+    serve = _parser().parse_args(["serve", "--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"])
+    assert (serve.dtype, serve.kv_cache_dtype) == ("bfloat16", "bfloat16")
