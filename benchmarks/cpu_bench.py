@@ -66,16 +66,22 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in plain]
     lm = ref_gguf_decoded(torch.randn(VOCAB, 576) * 0.02, "q8_0")
     lm_packed = torch.ops.mkldnn._reorder_linear_weight(lm, None)
+    bf16 = [[torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in ws] for ws in plain]
+    lm_bf16 = torch.ops.mkldnn._reorder_linear_weight(lm.bfloat16(), None)
     panels = [[(cpu_kernels.panel_pack(w), w.shape[0]) for w in ws] for ws in plain]
     lm_panels = (cpu_kernels.panel_pack(lm), VOCAB)
     coded = [[(cpu_kernels.coded_pack(w), w.shape[0]) for w in ws] for ws in plain]
     lm_coded = (cpu_kernels.coded_pack(lm), VOCAB)
     rows_out: list[dict[str, object]] = []
-    print("rows | 30 layers: mkl, onednn, panel, coded | lm head: mkl, onednn, panel, coded   (ms)")
+    print("rows | 30 layers: mkl, onednn, panel, coded, bf16 | lm head: mkl, onednn, panel, coded, bf16   (ms)")
     mkl = torch.nn.functional.linear
 
     def dnn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+    def dnn_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """As dtype="bfloat16" runs it (cpu_forms.cpu_gemm): x cast to bf16, the product back to float32."""
+        return torch.ops.mkldnn._linear_pointwise(x.bfloat16(), w, None, "none", [], "").float()
 
     def panel(x: torch.Tensor, w: tuple[torch.Tensor, int]) -> torch.Tensor:
         return cpu_kernels.panel_linear(x, w[0], w[1], None)
@@ -97,10 +103,12 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
             row["layers_onednn_ms"] = timed(partial(layers, dnn, packed, xs))
             row["layers_panel_ms"] = timed(partial(layers, panel, panels, xs))
             row["layers_coded_ms"] = timed(partial(layers, coded_op, coded, xs)) if m <= 64 else None
+            row["layers_bf16_ms"] = timed(partial(layers, dnn_bf16, bf16, xs))
             row["lm_mkl_ms"] = timed(partial(mkl, x, lm))
             row["lm_onednn_ms"] = timed(partial(dnn, x, lm_packed))
             row["lm_panel_ms"] = timed(partial(panel, x, lm_panels))
             row["lm_coded_ms"] = timed(partial(coded_op, x, lm_coded)) if m <= 64 else None
+            row["lm_bf16_ms"] = timed(partial(dnn_bf16, x, lm_bf16))
         cells = [row[k] for k in row if k != "rows"]
         print(f"{m:>5} " + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells), flush=True)
         rows_out.append(row)

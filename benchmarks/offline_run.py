@@ -50,7 +50,7 @@ def pagoda_engine(args: argparse.Namespace) -> tuple[Generate, str]:
 
     # NOTE: Pagoda's defaults otherwise (max_num_seqs, max_num_batched_tokens, backend); the KV budget and thread
     # count are the two settings the workload fixes for every engine.
-    llm = LLM(args.model, dtype="float32", kv_cache_memory=args.kv_cache_gib, num_threads=args.threads)
+    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_gib, num_threads=args.threads)
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> int:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
@@ -65,7 +65,7 @@ def vllm_engine(args: argparse.Namespace) -> tuple[Generate, str]:
     from vllm import LLM, SamplingParams
 
     # NOTE: threads and KV budget come from VLLM_CPU_OMP_THREADS_BIND / VLLM_CPU_KVCACHE_SPACE (set by the parent).
-    llm = LLM(model=args.model, dtype="float32", seed=0)
+    llm = LLM(model=args.model, dtype=args.dtype, seed=0)
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> int:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 (Pagoda, vLLM)")
     ap.add_argument("--batch1-repeats", type=int, default=2)
     ap.add_argument("--hf-batch", type=int, default=16, help="transformers: static batch size")
     args = ap.parse_args()

@@ -53,6 +53,11 @@ class OfflineRow:
     peak_rss_gb: float
     total_tok_s: dict[str, float]  # workload name -> total tok/s
     batch1_ms_per_token: list[float]
+    dtype: str = "float32"
+
+    @property
+    def label(self) -> str:
+        return self.engine if self.dtype == "float32" else f"{self.engine}/{self.dtype}"
 
 
 @dataclass
@@ -96,15 +101,15 @@ def engine_env(engine: str, args: argparse.Namespace) -> tuple[str, dict[str, st
     return f"{args.vllm_venv}/bin/python", env
 
 
-def run_offline(engine: str, rnd: int, args: argparse.Namespace, logs: Path) -> OfflineRow:
+def run_offline(engine: str, dtype: str, rnd: int, args: argparse.Namespace, logs: Path) -> OfflineRow:
     python, env = engine_env(engine, args)
-    out = logs / f"offline-{engine}-{rnd}.json"
+    out = logs / f"offline-{engine}-{dtype}-{rnd}.json"
     model = args.model_dir if engine == "pagoda" else args.peer_model_dir
     cmd = [python, str(HERE / "offline_run.py"), "--engine", engine, "--model", model, "--out", str(out)]
     cmd += ["--workloads", args.workloads, "--num-requests", str(args.num_requests), "--seed", str(args.seed)]
     cmd += ["--threads", str(args.threads), "--kv-cache-gib", f"{args.kv_cache_gib:g}"]
-    cmd += ["--batch1-repeats", str(args.batch1_repeats)]
-    child = Child(f"offline-{engine}-{rnd}", cmd, env, str(REPO if engine != "vllm" else logs), logs)
+    cmd += ["--batch1-repeats", str(args.batch1_repeats), "--dtype", dtype]
+    child = Child(f"offline-{engine}-{dtype}-{rnd}", cmd, env, str(REPO if engine != "vllm" else logs), logs)
     try:
         code = child.wait(args.timeout)
     finally:
@@ -120,8 +125,9 @@ def run_offline(engine: str, rnd: int, args: argparse.Namespace, logs: Path) -> 
         child.peak_rss_gb,
         {w["workload"]: w["total_tok_s"] for w in rec["workloads"]},
         rec["batch1_ms_per_token"],
+        dtype,
     )
-    print(f"  offline {engine:12s} round {rnd}: {fmt_offline(row)}", flush=True)
+    print(f"  offline {row.label:16s} round {rnd}: {fmt_offline(row)}", flush=True)
     return row
 
 
@@ -233,14 +239,22 @@ def mean(xs: list[float]) -> float:
 def report(offline: list[OfflineRow], serving: list[ServingRow]) -> list[str]:
     """The ratios the issue asks for, from the means over rounds of this run only."""
     lines = []
-    by = {e: [r for r in offline if r.engine == e] for e in {r.engine for r in offline}}
-    if "pagoda" in by and "vllm" in by:
-        for wl in by["pagoda"][0].total_tok_s:
-            p, v = mean([r.total_tok_s[wl] for r in by["pagoda"]]), mean([r.total_tok_s[wl] for r in by["vllm"]])
-            lines.append(f"offline {wl}: pagoda {p:.1f} / vllm {v:.1f} total tok/s = {p / v:.2f}x (target >= 1.25x)")
-        p = mean([x for r in by["pagoda"] for x in r.batch1_ms_per_token])
-        v = mean([x for r in by["vllm"] for x in r.batch1_ms_per_token])
-        lines.append(f"offline batch-1: pagoda {p:.1f} ms/tok, vllm {v:.1f} ms/tok (target <= 20)")
+    by = {e: [r for r in offline if r.label == e] for e in {r.label for r in offline}}
+    for dtype in sorted({r.dtype for r in offline}):
+        pl, vl = (
+            OfflineRow("pagoda", 0, "", 0, 0, {}, [], dtype).label,
+            OfflineRow("vllm", 0, "", 0, 0, {}, [], dtype).label,
+        )
+        if pl not in by or vl not in by:
+            continue
+        for wl in by[pl][0].total_tok_s:
+            p, v = mean([r.total_tok_s[wl] for r in by[pl]]), mean([r.total_tok_s[wl] for r in by[vl]])
+            lines.append(
+                f"offline {wl} {dtype}: pagoda {p:.1f} / vllm {v:.1f} total tok/s = {p / v:.2f}x (target >= 1.25x)"
+            )
+        p = mean([x for r in by[pl] for x in r.batch1_ms_per_token])
+        v = mean([x for r in by[vl] for x in r.batch1_ms_per_token])
+        lines.append(f"offline batch-1 {dtype}: pagoda {p:.1f} ms/tok, vllm {v:.1f} ms/tok (target <= 20)")
     for e, rows in sorted(by.items()):
         up, rss = mean([r.startup_s for r in rows]), max(r.peak_rss_gb for r in rows)
         lines.append(f"{e} offline: start-up {up:.1f} s, peak RSS {rss:.2f} GB")
@@ -286,6 +300,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument("--dtypes", default="float32", help="offline: comma list of float32, bfloat16 (each engine)")
     ap.add_argument("--batch1-repeats", type=int, default=2)
     ap.add_argument(
         "--pagoda-serve-args",
@@ -325,7 +340,7 @@ def main() -> None:
     wl = make("random", args.num_requests, args.seed)
     for rnd in range(1, args.rounds + 1):
         if "offline" in modes:
-            offline += [run_offline(e, rnd, args, logs) for e in engines]
+            offline += [run_offline(e, d, rnd, args, logs) for d in args.dtypes.split(",") for e in engines]
         if "serving" in modes:
             for e in engines:
                 variants = [shlex.split(v) for v in args.pagoda_serve_args] if e == "pagoda" else [[]]

@@ -25,6 +25,8 @@ def _opt(default: Any, help: str) -> Any:
 
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+# NOTE: vLLM's names; its fp8 caches have no CPU kernels here and are refused by name.
+_KV_CACHE_DTYPES = ("auto", "bfloat16")
 _POLICIES = ("fcfs", "priority")
 _BACKENDS = ("cpu", "torch", "triton")
 
@@ -35,8 +37,9 @@ class EngineConfig:
 
     model: str | None = _opt(None, "HF directory or .gguf file (default SmolLM2-135M-Instruct)")
     tokenizer: str | None = _opt(None, "tokenizer directory (default: the model's)")
-    # NOTE: bfloat16 on CUDA runs the matmuls and the attention dots on tensor cores; float32 stays the CPU default
-    # (the native CPU kernels are float32, and CPUs without AMX gain nothing from bf16).
+    # NOTE: bfloat16 on CUDA runs the matmuls and the attention dots on tensor cores. On CPU it runs the GEMMs with
+    # bf16 weights (AVX-512 BF16 / AMX; activations float32, model/layers/cpu_bfloat16.py); float32 stays the CPU
+    # default, exact (docs/decisions.md, "CPU kernels").
     dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
     device: str = _opt("cpu", "cpu | cuda | cuda:N")
     seed: int = _opt(0, "seed of the shared sampling generator")
@@ -46,6 +49,7 @@ class EngineConfig:
     gpu_memory_utilization: float = _opt(0.85, "fraction of free GPU memory given to the KV cache")
     # NOTE: overrides both budgets (tests use it to force preemption).
     num_kv_blocks: int | None = _opt(None, "fixed KV block count (skips profiling)")
+    kv_cache_dtype: str = _opt("auto", "auto (the dtype attention computes in: float32 on CPU) | bfloat16")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prefixes")
     # Scheduler
     max_model_len: int | None = _opt(None, "context limit (default: the model's, capped at 8192)")
@@ -67,6 +71,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
         if self.attention_backend is not None and self.attention_backend not in _BACKENDS:
@@ -97,6 +103,20 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    def resolved_kv_cache_dtype(self, compute_dtype: str) -> str:
+        """The KV cache's dtype when attention computes in `compute_dtype` (the runner's activations).
+
+        NOTE: the attention kernels read their compute dtype from the cache (no cast on load), so a cache in another
+        dtype is refused at load; with dtype="bfloat16" on CUDA, "bfloat16" is what "auto" gives.
+        """
+        kv = compute_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if kv != compute_dtype:
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} needs attention in {kv}, but it computes in {compute_dtype} "
+                f"here (dtype={self.dtype!r} on {self.device}); use kv_cache_dtype='auto'"
+            )
+        return kv
 
     @property
     def resolved_backend(self) -> str:

@@ -90,6 +90,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         host=args.host,
         grpc_port=args.grpc_port,
         http_port=args.http_port,
@@ -155,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--demo", action="store_true", help="stream one generation through gRPC once healthy")
     serve.add_argument("--model", default=None)
     serve.add_argument("--dtype", default=field_default("dtype"))
+    serve.add_argument("--kv-cache-dtype", default=field_default("kv_cache_dtype"), help="auto | bfloat16")
     serve.add_argument(
         "--kv-cache-memory", type=float, default=field_default("kv_cache_memory"), help="GiB of KV cache per worker"
     )

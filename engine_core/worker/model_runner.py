@@ -20,6 +20,7 @@ from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
 from engine_core.host_cpus import usable_cpus
+from engine_core.model.layers.cpu_bfloat16 import cpu_bf16_gemms
 from engine_core.model.layers.cpu_gemm_rows import CpuGemmRows, can_pack
 from engine_core.model.layers.layer_ops import select_layer_ops
 from engine_core.model.layers.linear import process_linear_weights
@@ -84,7 +85,15 @@ class ModelRunner:
         """`gemm_rows`: the CPU float32 GEMM dispatch's row thresholds (tests move them); None: this CPU's."""
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = DTYPES[config.resolved_dtype]
+        self.dtype = DTYPES[config.resolved_dtype]  # of the activations, the KV cache and the non-GEMM weights
+        self.gemm_dtype = self.dtype  # of the linears' weights
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            # NOTE: bf16 on CPU is bf16 weights in oneDNN's GEMMs, activations float32 (model/layers/cpu_bfloat16.py);
+            # a CPU without AVX-512 BF16 / AMX runs float32 (logged).
+            self.dtype = torch.float32
+            self.gemm_dtype = torch.bfloat16 if cpu_bf16_gemms() else torch.float32
+        # an unsupported kv_cache_dtype fails here, before the weights load
+        config.resolved_kv_cache_dtype(str(self.dtype).removeprefix("torch."))
         if self.device.type == "cpu":
             # NOTE: by default torch's team, no larger than a container's CPU limit (host_cpus.py); a team size the
             # user chose (num_threads, OMP_NUM_THREADS) is kept
@@ -116,7 +125,7 @@ class ModelRunner:
         model.load_weights(iter_weights(model_dir, hf))
         self.model = model.to(dtype=self.dtype).eval()
         # NOTE: after the dtype cast: each linear's method keeps its weight in the form(s) its kernels read, once.
-        linear_method = select_linear_method(self.device, self.dtype, gemm_rows)
+        linear_method = select_linear_method(self.device, self.dtype, gemm_rows, self.gemm_dtype)
         process_linear_weights(self.model, linear_method)
         # The step functions (step_functions.py): the model's forward serves every step; `decode_step`, where set,
         # serves decode-only steps. NOTE: this is the seam where a CUDA-graph replay of decode steps plugs in.
@@ -127,7 +136,11 @@ class ModelRunner:
             self.decode_step = NativeDecodeStep(self.model)  # NOTE: it writes K/V in the cpu backend's way
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
         log.info(
-            "model loaded", architecture=arch, dtype=config.resolved_dtype, seconds=round(time.perf_counter() - t0, 2)
+            "model loaded",
+            architecture=arch,
+            dtype=config.resolved_dtype,
+            linears=linear_method.name,
+            seconds=round(time.perf_counter() - t0, 2),
         )
         elt = torch.tensor([], dtype=self.dtype).element_size()
         self.info = ModelInfo(

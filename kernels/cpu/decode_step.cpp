@@ -35,15 +35,17 @@ struct Forms {
 
 at::Tensor project(const Gemms& g, const at::Tensor& x, const Forms& w, const c10::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0);
-  if (rows < g.onednn_m) {
+  // each row count takes the first form of codes, panels, oneDNN it reaches that the weight has
+  if (rows < g.onednn_m && (w.coded.has_value() || w.panels.has_value())) {
     at::Tensor out = at::empty({rows, w.out_features}, x.options());
     if (rows < g.coded_m && w.coded.has_value()) {
       pagoda::coded_linear(out, x, *w.coded, bias);
-    } else {
-      TORCH_CHECK(w.panels.has_value(), "decode_layers: no panels for ", rows, " rows");
-      pagoda::panel_linear(out, x, *w.panels, bias);
+      return out;
     }
-    return out;
+    if (w.panels.has_value()) {
+      pagoda::panel_linear(out, x, *w.panels, bias);
+      return out;
+    }
   }
   if (rows >= g.large_m) {
     TORCH_CHECK(w.plain.has_value(), "decode_layers: no plain weight for ", rows, " rows");
@@ -52,10 +54,13 @@ at::Tensor project(const Gemms& g, const at::Tensor& x, const Forms& w, const c1
   TORCH_CHECK(w.onednn.has_value(), "decode_layers: no oneDNN weight for ", rows, " rows");
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  torch::jit::Stack stack{x, *w.onednn, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), "none",
+  // bf16 weights (model/layers/cpu_bfloat16.py): bf16 in, fp32 accumulation, the product back in fp32
+  const bool cast = w.onednn->scalar_type() != x.scalar_type();
+  torch::jit::Stack stack{cast ? x.to(w.onednn->scalar_type()) : x, *w.onednn,
+                          bias.has_value() ? c10::IValue(*bias) : c10::IValue(), "none",
                           c10::List<c10::optional<at::Scalar>>(), c10::IValue()};
   op.callBoxed(&stack);
-  return stack.back().toTensor();
+  return cast ? stack.back().toTensor().to(x.scalar_type()) : stack.back().toTensor();
 }
 
 }  // namespace

@@ -48,18 +48,23 @@ def pack_forms(weight: torch.Tensor, rows: CpuGemmRows, coded: torch.Tensor | No
 
 
 def cpu_gemm(forms: CpuWeightForms, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + bias` through the form this row count reads (the same order as decode_step.cpp's `project`)."""
+    """`x @ W.T + bias` through the form this row count reads (the same order as decode_step.cpp's `project`): each
+    row count takes the first form of codes, panels, oneDNN it reaches that the weight has."""
     m = x.shape[0]
     rows = forms.rows
-    if m < rows.onednn_m:
+    if m < rows.onednn_m and (forms.coded is not None or forms.panels is not None):
         if x.stride(-1) != 1:
             x = x.contiguous()
         if m < rows.coded_m and forms.coded is not None:
             return cpu_kernels.coded_linear(x, forms.coded, forms.out_features, bias)
-        assert forms.panels is not None
-        return cpu_kernels.panel_linear(x, forms.panels, forms.out_features, bias)
+        if forms.panels is not None:
+            return cpu_kernels.panel_linear(x, forms.panels, forms.out_features, bias)
     if m >= rows.large_m:
         assert forms.plain is not None
         return nn.functional.linear(x, forms.plain, bias)
     assert forms.onednn is not None
+    if forms.onednn.dtype != x.dtype:  # bf16 weights (cpu_bfloat16.py): bf16 in, fp32 accumulation, fp32 out
+        return torch.ops.mkldnn._linear_pointwise(x.to(forms.onednn.dtype), forms.onednn, bias, "none", [], "").to(
+            x.dtype
+        )
     return torch.ops.mkldnn._linear_pointwise(x, forms.onednn, bias, "none", [], "")

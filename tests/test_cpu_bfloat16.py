@@ -1,0 +1,138 @@
+"""dtype="bfloat16" on CPU: bf16 weights in oneDNN's GEMMs, activations float32 (model/layers/cpu_bfloat16.py); the
+choice by CPU flags; kv_cache_dtype's validation.
+
+Tolerance of a bf16 product: the inputs rounded to bf16 (8 bits of mantissa), accumulated in fp32, the product
+rounded to bf16 once more: within 2^-7 relative of the exact product of the rounded inputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_core.config import EngineConfig
+from engine_core.model.layers.cpu_bfloat16 import (
+    BF16_CODED_M,
+    CpuBfloat16Method,
+    bf16_gemm_unsupported,
+    cpu_bf16_gemms,
+    this_cpu_flags,
+)
+from engine_core.model.layers.cpu_gemm_rows import NEVER, CpuGemmRows
+from engine_core.model.layers.linear import Linear
+from engine_core.worker.model_runner import ModelRunner
+from kernels import cpu as cpu_kernels
+from kernels.reference import ref_gguf_decoded
+from tests.test_model_runner import BS, greedy
+
+ZEN4 = ["fpu", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"]
+AVX2 = ["fpu", "sse4_2", "avx", "avx2", "fma", "f16c"]
+SAPPHIRE_RAPIDS = ["avx2", "avx512f", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"]
+
+has_bf16_gemms = pytest.mark.skipif(
+    bf16_gemm_unsupported(this_cpu_flags(), torch.ops.mkldnn._is_mkldnn_bf16_supported()) is not None
+    or not cpu_kernels.available(),
+    reason="this CPU has no AVX-512 BF16 / AMX (or no native kernels)",
+)
+
+
+def test_the_cpu_flags_decide_whether_bf16_gemms_run() -> None:
+    assert bf16_gemm_unsupported(ZEN4) is None
+    assert bf16_gemm_unsupported(SAPPHIRE_RAPIDS) is None
+    reason = bf16_gemm_unsupported(AVX2)
+    assert reason is not None and "avx512_bf16" in reason and "amx_bf16" in reason
+    assert bf16_gemm_unsupported(ZEN4, onednn_bf16=False) == "torch's oneDNN has no bf16 kernels here"
+    assert cpu_bf16_gemms(AVX2) is False  # and says so in the log (the runner then serves float32)
+
+
+def _bf16_linear(w: torch.Tensor, b: torch.Tensor, rows: CpuGemmRows | None = None) -> Linear:
+    layer = Linear(w.shape[1], w.shape[0], bias=True)
+    layer.weight_loader(layer.weight, w)
+    layer.weight_loader(layer.bias, b)
+    layer.process_weights(CpuBfloat16Method(rows or CpuGemmRows(0, 0, NEVER)))
+    return layer
+
+
+def _bf16_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The exact product of the bf16-rounded inputs (float64)."""
+    return F.linear(x.bfloat16().double(), w.bfloat16().double(), b.double()).float()
+
+
+@has_bf16_gemms
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_a_bf16_linear_is_the_product_of_bf16_inputs_in_float32(rows: int) -> None:
+    w, b = torch.randn(96, 200) * 0.1, torch.randn(96)
+    layer = _bf16_linear(w, b)
+    forms = layer.cpu_forms
+    assert forms is not None and forms.onednn is not None and forms.onednn.dtype == torch.bfloat16
+    assert forms.panels is None and forms.plain is None and forms.coded is None and layer.weight is None
+    assert layer.resident_bytes() < 96 * 200 * 4  # one bf16 copy (with oneDNN's padding), no float32 copy
+    x = torch.randn(rows, 200)
+    got = layer(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, _bf16_product(x, w, b), rtol=2**-7, atol=1e-3)
+    assert not torch.equal(got, F.linear(x, w, b))  # really bf16: float32 would give other bits
+
+
+@has_bf16_gemms
+@pytest.mark.parametrize("rows", [1, BF16_CODED_M - 1, BF16_CODED_M, 40])
+def test_a_gguf_weight_keeps_its_codes_below_bf16_coded_m_and_bf16_above(rows: int) -> None:
+    w, b = ref_gguf_decoded(torch.randn(96, 64) * 0.1, "q4_1"), torch.randn(96)
+    layer = _bf16_linear(w, b, CpuGemmRows(BF16_CODED_M, BF16_CODED_M, NEVER))
+    forms = layer.cpu_forms
+    assert forms is not None and forms.coded is not None and forms.panels is None
+    x = torch.randn(rows, 64)
+    if rows < BF16_CODED_M:  # the codes: exact float32, the panel kernel's bits
+        assert torch.equal(layer(x), cpu_kernels.panel_linear(x, cpu_kernels.panel_pack(w), 96, b))
+    else:
+        torch.testing.assert_close(layer(x), _bf16_product(x, w, b), rtol=2**-7, atol=1e-3)
+
+
+def _runner(model_dir: Path, dtype: str, backend: str) -> ModelRunner:
+    config = EngineConfig(
+        model=str(model_dir), dtype=dtype, block_size=BS, num_kv_blocks=32, max_num_seqs=4, attention_backend=backend
+    )
+    runner = ModelRunner(config, str(model_dir))
+    runner.init_kv_cache(32)
+    return runner
+
+
+@has_bf16_gemms
+def test_a_bf16_runner_decodes_greedily_like_float32_on_a_tiny_model(tiny_dir: Path) -> None:
+    """Every step kind (prefill, the native decode step) through bf16 GEMMs; the tiny model's logits are peaky, so
+    the argmax survives bf16 rounding: the same tokens as float32."""
+    prompts = {0: [3, 17, 5, 99, 42], 1: [7], 2: [1, 2, 3, 4, 5, 6, 7, 8, 9]}
+    bf16 = _runner(tiny_dir, "bfloat16", "cpu")
+    assert bf16.dtype == torch.float32 and bf16.gemm_dtype == torch.bfloat16  # activations and KV stay float32
+    assert bf16.decode_step is not None and bf16.kv_caches[0].dtype == torch.float32
+    linear = bf16.model.layers[0].self_attn.qkv_proj
+    assert linear.method.name == "cpu-bfloat16"
+    assert greedy(bf16, prompts, steps=6) == greedy(_runner(tiny_dir, "float32", "cpu"), prompts, steps=6)
+
+
+def test_kv_cache_dtype_names_the_flag_when_refused(tiny_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of .*'fp8'"):
+        EngineConfig(kv_cache_dtype="fp8")
+    config = EngineConfig(kv_cache_dtype="bfloat16")
+    assert config.resolved_kv_cache_dtype("bfloat16") == "bfloat16"
+    assert EngineConfig().resolved_kv_cache_dtype("float32") == "float32"  # auto: attention's own dtype
+    # on CPU attention computes in float32 (with dtype="bfloat16" too): a bf16 cache is refused before any load
+    with pytest.raises(
+        ValueError, match=r"kv_cache_dtype='bfloat16' needs attention in bfloat16.*kv_cache_dtype='auto'"
+    ):
+        ModelRunner(EngineConfig(model=str(tiny_dir), kv_cache_dtype="bfloat16", num_kv_blocks=4), str(tiny_dir))
+
+
+def test_the_worker_and_serve_flags_take_kv_cache_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import _parser
+    from services.worker.config import parse_worker_args
+
+    assert parse_worker_args(["--kv-cache-dtype", "bfloat16"]).engine.kv_cache_dtype == "bfloat16"
+    with pytest.raises(SystemExit):
+        parse_worker_args(["--kv-cache-dtype", "fp8_e5m2"])
+    assert "kv_cache_dtype must be one of" in capsys.readouterr().err
+    serve = _parser().parse_args(["serve", "--dtype", "bfloat16", "--kv-cache-dtype", "bfloat16"])
+    assert (serve.dtype, serve.kv_cache_dtype) == ("bfloat16", "bfloat16")
