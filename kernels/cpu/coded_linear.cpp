@@ -1,4 +1,6 @@
-// y = x @ W^T (+ b) for a few rows, with W read in its block-coded form: 4 or 8 bits per weight instead of 32.
+// y = x @ W^T (+ b) at every row count, with W resident only in its block-coded form: 4 or 8 bits per weight
+// instead of 32. Below 16 rows each record is decoded in registers per 8 rows; from 16, each pair of panels is
+// decoded once into an L2-sized buffer and multiplied by the panel kernel (panel_gemm, panel_linear.cpp).
 //
 // Why: at 1-8 rows a projection is bound by the memory stream of W (30 GB/s here: SmolLM2's 425 MB of float32
 // layer weights take ~14 ms per decode step). A GGUF model's float32 weights are exactly its quantization blocks
@@ -27,6 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>  // std::aligned_alloc
 
 #include "ops.h"
 
@@ -40,6 +43,9 @@ constexpr int64_t kCols = 16;   // columns per panel
 constexpr int64_t kBlock = 32;  // k per record
 constexpr int64_t kScales = 2 * kCols * static_cast<int64_t>(sizeof(float));  // d[16] and m[16]
 constexpr int kMaxRows = 8;     // rows per micro-kernel call
+// Rows from which a panel is decoded once and multiplied by the panel kernel (below: decoded again per 8 rows, in
+// registers, which wins below 16 rows and ties the panel kernel from 16: docs/benchmarks.md, "CPU GEMMs by row count").
+constexpr int64_t kDecodeOnceRows = 16;
 
 constexpr int64_t record_bytes(int64_t bits) { return kScales + kBlock * kCols * bits / 8; }
 
@@ -118,6 +124,38 @@ void micro(const float* a, int64_t lda, const uint8_t* rec, int64_t K, const flo
 }
 constexpr bool kVectorized = false;
 #endif
+
+// One panel's records (16 columns, K / 32 records) -> its float32 weights in panel_pack's layout [K][16]: the same
+// fma(d, q, m) per weight as the micro-kernels, so the panel kernel on them gives coded_linear's bits.
+template <int BITS>
+void decode_panel(const uint8_t* rec, int64_t K, float* dst) {
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock, rec += record_bytes(BITS)) {
+    const float* d = reinterpret_cast<const float*>(rec);
+    const float* m = d + kCols;
+    const uint8_t* codes = rec + kScales;
+#if defined(__AVX512F__)
+    const __m512 dv = _mm512_load_ps(d), mv = _mm512_load_ps(m);
+    for (int64_t kk = 0; kk < kBlock; ++kk) {
+      __m512i v;
+      if constexpr (BITS == 4) {
+        v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + (kk / 2) * kCols)));
+        v = kk % 2 ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(0xF));
+      } else {
+        v = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + kk * kCols)));
+      }
+      _mm512_store_ps(dst + (k0 + kk) * kCols, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(v), mv));
+    }
+#else
+    for (int64_t kk = 0; kk < kBlock; ++kk) {
+      for (int64_t j = 0; j < kCols; ++j) {
+        const int q = BITS == 4 ? (codes[(kk / 2) * kCols + j] >> (4 * (kk % 2))) & 0xF
+                                : static_cast<int8_t>(codes[kk * kCols + j]);
+        dst[(k0 + kk) * kCols + j] = std::fma(d[j], static_cast<float>(q), m[j]);
+      }
+    }
+#endif
+  }
+}
 
 using Micro = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
 template <int BITS>
@@ -209,6 +247,30 @@ void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records
   const uint8_t* rp = records.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), P = records.size(0), panel_bytes = (K / kBlock) * record_bytes(bits);
+  if (M >= kDecodeOnceRows) {
+    // NOTE: from kDecodeOnceRows rows each pair of panels is decoded once into a buffer that stays in L2 (2 x K x 16
+    // floats: 196 KB at K = 1536) and multiplied by the panel kernel's 12 x 32 tile, instead of being decoded again
+    // for every 8 rows: float32 GEMM speed at prefill sizes with only the codes resident.
+    const int64_t panel_floats = K * kCols;
+    at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) {
+      float* buf = static_cast<float*>(std::aligned_alloc(64, 2 * panel_floats * sizeof(float)));
+      TORCH_CHECK(buf != nullptr, "coded_linear: out of memory for a ", 2 * panel_floats, "-float buffer");
+      for (int64_t p = begin; p < end;) {
+        const int64_t count = p + 1 < end ? 2 : 1;
+        for (int64_t i = 0; i < count; ++i) {
+          if (bits == 4) {
+            decode_panel<4>(rp + (p + i) * panel_bytes, K, buf + i * panel_floats);
+          } else {
+            decode_panel<8>(rp + (p + i) * panel_bytes, K, buf + i * panel_floats);
+          }
+        }
+        pagoda::panel_gemm(xp, ldx, buf, count, K, b, op, N, p * kCols, M);
+        p += count;
+      }
+      std::free(buf);
+    });
+    return;
+  }
   const Micro* micros = bits == 4 ? kMicro<4> : kMicro<8>;
   // Row blocks as even as possible; every block decodes the panel again, so the caller keeps this kernel to the
   // few rows where decoding is cheaper than streaming float32 weights (model/layers/cpu_gemm_rows.py, CODED_M).
