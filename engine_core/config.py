@@ -25,6 +25,7 @@ def _opt(default: Any, help: str) -> Any:
 
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("gguf",)  # vLLM's names; None: the checkpoint's own format (gguf for a .gguf model)
 _POLICIES = ("fcfs", "priority")
 _BACKENDS = ("cpu", "torch", "triton")
 
@@ -38,6 +39,9 @@ class EngineConfig:
     # NOTE: bfloat16 on CUDA runs the matmuls and the attention dots on tensor cores; float32 stays the CPU default
     # (the native CPU kernels are float32, and CPUs without AMX gain nothing from bf16).
     dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
+    # NOTE: a .gguf model is computed from its codes whether or not this says gguf (the codes give float32's bits);
+    # naming it makes a non-GGUF model an error at load instead of a silent float32 run.
+    quantization: str | None = _opt(None, "gguf (default for a .gguf model); none: the checkpoint's own format")
     device: str = _opt("cpu", "cpu | cuda | cuda:N")
     seed: int = _opt(0, "seed of the shared sampling generator")
     # KV cache
@@ -67,6 +71,8 @@ class EngineConfig:
     def validate(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
         if self.attention_backend is not None and self.attention_backend not in _BACKENDS:

@@ -33,6 +33,7 @@ def free_port() -> int:
 class LaunchConfig:
     model: str | None = None
     dtype: str = field_default("dtype")
+    quantization: str | None = field_default("quantization")
     kv_cache_memory: float = field_default("kv_cache_memory")
     host: str = "0.0.0.0"  # the frontend's bind address; internal services bind to loopback
     grpc_port: int = ports.FRONTEND_GRPC_PORT
@@ -171,6 +172,7 @@ class LocalCluster:
         for rank, port in enumerate(c.worker_ports):
             # NOTE: no --host: internal services bind to their default, loopback (the security tests check it).
             args = ["--worker-port", str(port), *model, "--dtype", c.dtype]
+            args += ["--quantization", c.quantization] if c.quantization else []
             args += ["--metrics-port", str(self.metrics_port(f"worker{rank}")), *tracing]
             args += ["--kv-cache-memory", str(c.kv_cache_memory), "--max-num-seqs", str(c.max_num_seqs), *threads]
             self._spawn(
