@@ -8,10 +8,10 @@
 // values), so the same float32 weights can be stored as codes and decoded on the fly, bit for bit: d * q is exact in
 // float32 (an 11-bit mantissa times at most 8 bits), so fma(d, q, m) rounds once, as the decoding did.
 //
-// coded_pack finds the codes from the float32 weights alone (no GGUF reader, no name mapping): in a Q4_1 block the
-// smallest weight has q = 0 and the largest q = 15, so m = min and d = f16((max - min) / 15); in a Q8_0 block the
-// largest magnitude has |q| = 127, so d = f16(max |w| / 127). It accepts codes only if decoding reproduces every
-// weight exactly, and returns no records otherwise (bf16, fp16 or trained float32 weights keep the panel kernel).
+// coded_pack finds the codes from the float32 weights alone (no GGUF reader, no name mapping): Q4_1, Q4_0 (4-bit
+// records), Q8_0, Q5_1, Q5_0 (8-bit records), block by block (`encode_block`). It accepts codes only if decoding
+// reproduces every weight exactly, and returns no records otherwise (bf16, fp16, trained float32 or K-quant weights
+// keep the float32 forms).
 //
 // Layout (`records`, uint8 [ceil(N/16), K/32, R]): the panel of 16 output columns of panel_linear.cpp, cut into
 // blocks of 32 k; each (panel, block) is one record: d[16] float32, m[16] float32, then the codes, one byte per
@@ -163,7 +163,23 @@ constexpr Micro kMicro[kMaxRows + 1] = {nullptr,          micro<1, BITS>, micro<
                                         micro<4, BITS>,   micro<5, BITS>, micro<6, BITS>, micro<7, BITS>,
                                         micro<8, BITS>};
 
-// One block of 32 weights of output column j into its record; false where the block is not exactly BITS codes.
+// Whether the block w[0..31] is exactly fma(d, q, m) for integers q in [qmin, qmax] (d * q is exact for the scales
+// tried, so this is the kernel's decoding); the codes into q.
+bool fits(const float* w, float d, float m, float qmin, float qmax, int* q) {
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const float c = d != 0.0f ? std::clamp(std::nearbyint((w[i] - m) / d), qmin, qmax) : 0.0f;
+    if (d * c + m != w[i]) return false;  // NaN fails here too
+    q[i] = static_cast<int>(c);
+  }
+  return true;
+}
+
+// One block of 32 weights of output column j into its record; false where the block is not exactly BITS codes. Each
+// GGUF format's scale and offset are found from its decoded values (llama.cpp's quantizers): Q4_1 / Q5_1 map the
+// block's minimum to q = 0 and its maximum to q = 15 / 31 (d = f16((max - min) / 15 or 31), m = min); Q4_0 / Q5_0
+// map the value of largest magnitude e to q = 0 (x = d * (q - 8 or 16), so d = -e / 8 or 16 exactly, m = e); Q8_0
+// maps it to +-127 (d = f16(max |w| / 127), m = 0). 4-bit records hold Q4_1 and Q4_0 blocks, 8-bit ones Q8_0, Q5_1
+// and Q5_0 blocks, block by block.
 template <int BITS>
 bool encode_block(const float* w, uint8_t* rec, int64_t j) {
   float lo = w[0], hi = w[0];
@@ -171,18 +187,37 @@ bool encode_block(const float* w, uint8_t* rec, int64_t j) {
     lo = std::min(lo, w[i]);
     hi = std::max(hi, w[i]);
   }
-  const float m = BITS == 4 ? lo : 0.0f;
-  const float d = static_cast<float>(c10::Half(BITS == 4 ? (hi - lo) / 15.0f : std::max(hi, -lo) / 127.0f));
+  const float extreme = hi >= -lo ? hi : lo;
+  const auto f16 = [](float v) { return static_cast<float>(c10::Half(v)); };
+  int q[kBlock];
+  float d = 0.0f, m = 0.0f;
+  bool found = false;
+  if constexpr (BITS == 4) {
+    const float schemes[2][2] = {{f16((hi - lo) / 15.0f), lo}, {-extreme / 8.0f, extreme}};
+    for (const auto& [sd, sm] : schemes) {
+      if ((found = fits(w, sd, sm, 0.0f, 15.0f, q))) {
+        d = sd, m = sm;
+        break;
+      }
+    }
+  } else {
+    const float schemes[3][4] = {{f16(std::max(hi, -lo) / 127.0f), 0.0f, -128.0f, 127.0f},
+                                 {f16((hi - lo) / 31.0f), lo, 0.0f, 31.0f},
+                                 {-extreme / 16.0f, extreme, 0.0f, 31.0f}};
+    for (const auto& [sd, sm, qmin, qmax] : schemes) {
+      if ((found = fits(w, sd, sm, qmin, qmax, q))) {
+        d = sd, m = sm;
+        break;
+      }
+    }
+  }
+  if (!found) return false;
   uint8_t* codes = rec + kScales;
   for (int64_t i = 0; i < kBlock; ++i) {
-    const float q = d > 0.0f ? std::clamp(std::nearbyint((w[i] - m) / d), BITS == 4 ? 0.0f : -128.0f,
-                                          BITS == 4 ? 15.0f : 127.0f)
-                             : 0.0f;
-    if (d * q + m != w[i]) return false;  // d * q is exact, so this is the kernel's fma(d, q, m)
     if constexpr (BITS == 4) {
-      codes[(i / 2) * kCols + j] |= static_cast<uint8_t>(q) << (4 * (i % 2));
+      codes[(i / 2) * kCols + j] |= static_cast<uint8_t>(q[i]) << (4 * (i % 2));
     } else {
-      codes[i * kCols + j] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      codes[i * kCols + j] = static_cast<uint8_t>(static_cast<int8_t>(q[i]));
     }
   }
   reinterpret_cast<float*>(rec)[j] = d;

@@ -40,6 +40,38 @@ def test_codes_are_found_and_decode_to_the_same_weights(kind: str, bits: int) ->
     assert torch.equal(decoded(records, 70), w)
 
 
+@pytest.mark.parametrize(("kind", "bits"), [("Q4_0", 4), ("Q4_1", 4), ("Q5_0", 8), ("Q5_1", 8), ("Q8_0", 8)])
+def test_every_legacy_gguf_format_is_found_as_codes(kind: str, bits: int) -> None:
+    """Blocks quantized by gguf-py (llama.cpp's quantizers) and decoded as the loader decodes them (model/
+    gguf_weights.py): their codes are found, decode to the same weights, and multiply with the panel kernel's bits.
+    K-quants (sub-block scales) are not codes here: they keep the float32 forms."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quantize
+
+    from engine_core.checkpoint.gguf_file import GgufTensor
+    from engine_core.model.gguf_weights import decode
+
+    qtype = GGMLQuantizationType[kind]
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 256, generator=g) * 0.05
+    w[2, :32] = 0.0  # an all-zero block (d = 0)
+    raw = torch.from_numpy(quantize(w.numpy(), qtype).reshape(-1))
+    assert raw.numel() == 40 * 256 // 32 * GGML_QUANT_SIZES[qtype][1]
+    weights = decode(GgufTensor("w", (40, 256), qtype, 0, raw.numel()), raw)
+    records = cpu_kernels.coded_pack(weights)
+    assert records is not None and BITS[records.shape[2]] == bits
+    assert torch.equal(decoded(records, 40), weights)
+    x = torch.randn(20, 256, generator=g)
+    assert torch.equal(
+        cpu_kernels.coded_linear(x, records, 40, None),
+        cpu_kernels.panel_linear(x, cpu_kernels.panel_pack(weights), 40, None),
+    )
+    k_quant = decode(
+        GgufTensor("w", (16, 256), GGMLQuantizationType.Q4_K, 0, 16 * 144),
+        torch.randint(0, 256, (16 * 144,), dtype=torch.uint8, generator=g),
+    )
+    assert cpu_kernels.coded_pack(k_quant) is None
+
+
 def test_weights_that_are_not_codes_are_left_alone() -> None:
     g = torch.Generator().manual_seed(2)
     assert cpu_kernels.coded_pack(torch.randn(16, 64, generator=g)) is None  # training weights
