@@ -102,12 +102,12 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
             row["layers_mkl_ms"] = timed(partial(layers, mkl, plain, xs))
             row["layers_onednn_ms"] = timed(partial(layers, dnn, packed, xs))
             row["layers_panel_ms"] = timed(partial(layers, panel, panels, xs))
-            row["layers_coded_ms"] = timed(partial(layers, coded_op, coded, xs)) if m <= 64 else None
+            row["layers_coded_ms"] = timed(partial(layers, coded_op, coded, xs))
             row["layers_bf16_ms"] = timed(partial(layers, dnn_bf16, bf16, xs))
             row["lm_mkl_ms"] = timed(partial(mkl, x, lm))
             row["lm_onednn_ms"] = timed(partial(dnn, x, lm_packed))
             row["lm_panel_ms"] = timed(partial(panel, x, lm_panels))
-            row["lm_coded_ms"] = timed(partial(coded_op, x, lm_coded)) if m <= 64 else None
+            row["lm_coded_ms"] = timed(partial(coded_op, x, lm_coded))
             row["lm_bf16_ms"] = timed(partial(dnn_bf16, x, lm_bf16))
         cells = [row[k] for k in row if k != "rows"]
         print(f"{m:>5} " + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells), flush=True)

@@ -27,6 +27,7 @@ def _opt(default: Any, help: str) -> Any:
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # NOTE: vLLM's names; its fp8 caches have no CPU kernels here and are refused by name.
 _KV_CACHE_DTYPES = ("auto", "bfloat16")
+QUANTIZATIONS = ("gguf",)  # vLLM's names; None: the checkpoint's own format (gguf for a .gguf model)
 _POLICIES = ("fcfs", "priority")
 _BACKENDS = ("cpu", "torch", "triton")
 
@@ -41,6 +42,9 @@ class EngineConfig:
     # bf16 weights (AVX-512 BF16 / AMX; activations float32, model/layers/cpu_bfloat16.py); float32 stays the CPU
     # default, exact (docs/decisions.md, "CPU kernels").
     dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
+    # NOTE: a .gguf model is computed from its codes whether or not this says gguf (the codes give float32's bits);
+    # naming it makes a non-GGUF model an error at load instead of a silent float32 run.
+    quantization: str | None = _opt(None, "gguf (default for a .gguf model); none: the checkpoint's own format")
     device: str = _opt("cpu", "cpu | cuda | cuda:N")
     seed: int = _opt(0, "seed of the shared sampling generator")
     # KV cache
@@ -73,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in _KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
         if self.attention_backend is not None and self.attention_backend not in _BACKENDS:

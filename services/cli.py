@@ -14,6 +14,7 @@ import sys
 import threading
 from typing import TextIO
 
+from engine_core.config import QUANTIZATIONS
 from services.common import ports
 from services.common.engine_flags import field_default
 
@@ -89,6 +90,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = LaunchConfig(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
         host=args.host,
@@ -157,6 +159,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None)
     serve.add_argument("--dtype", default=field_default("dtype"))
     serve.add_argument("--kv-cache-dtype", default=field_default("kv_cache_dtype"), help="auto | bfloat16")
+    serve.add_argument(
+        "--quantization", default=field_default("quantization"), choices=QUANTIZATIONS, help="a .gguf model: gguf"
+    )
     serve.add_argument(
         "--kv-cache-memory", type=float, default=field_default("kv_cache_memory"), help="GiB of KV cache per worker"
     )

@@ -45,6 +45,7 @@ class ReplicaPorts:
 class LaunchConfig:
     model: str | None = None
     dtype: str = field_default("dtype")
+    quantization: str | None = field_default("quantization")
     kv_cache_memory: float = field_default("kv_cache_memory")
     kv_cache_dtype: str = field_default("kv_cache_dtype")
     host: str = "0.0.0.0"  # the frontend's bind address; internal services bind to loopback
@@ -225,6 +226,7 @@ class LocalCluster:
             for name, port in zip(workers, replica.worker_ports, strict=True):
                 # NOTE: no --host: internal services bind to their default, loopback (the security tests check it).
                 args = ["--worker-port", str(port), *model, "--dtype", c.dtype, "--kv-cache-dtype", c.kv_cache_dtype]
+                args += ["--quantization", c.quantization] if c.quantization else []
                 args += ["--metrics-port", str(self.metrics_port(name)), *tracing]
                 args += ["--kv-cache-memory", str(c.kv_cache_memory), "--max-num-seqs", str(c.max_num_seqs), *threads]
                 self._spawn(name, "services.worker", args + c.extra_worker_args, f"127.0.0.1:{port}", WORKER_SERVICE)

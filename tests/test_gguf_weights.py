@@ -8,7 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, dequantize, get_tensor_name_map, quantize
+from gguf import (
+    GGML_QUANT_SIZES,
+    MODEL_ARCH,
+    GGMLQuantizationType,
+    GGUFWriter,
+    dequantize,
+    get_tensor_name_map,
+    quantize,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -111,6 +119,15 @@ def test_decoding_any_bytes_matches_gguf_py(kind: Q) -> None:
     tensor = GgufTensor(name="w", shape=(rows, cols), kind=kind, offset=0, nbytes=raw.numel())
     ref = torch.from_numpy(dequantize(raw.numpy().reshape(rows, -1), kind).copy()).float()
     torch.testing.assert_close(decode(tensor, raw), ref, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_1, Q.Q8_K, Q.F64], ids=lambda k: k.name)
+def test_a_type_without_a_decoder_is_refused_naming_the_tensor_and_type(kind: Q) -> None:
+    block, block_bytes = GGML_QUANT_SIZES[kind]
+    raw = torch.zeros(4 * block_bytes, dtype=torch.uint8)
+    tensor = GgufTensor(name="blk.0.ffn_up.weight", shape=(4, block), kind=kind, offset=0, nbytes=raw.numel())
+    with pytest.raises(ValueError, match=f"'blk.0.ffn_up.weight' is of type {kind.name}, which the engine cannot"):
+        decode(tensor, raw)
 
 
 def test_the_default_models_directory_links_its_gguf_file_and_holds_no_weights(smollm2_dir: str) -> None:

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, MistralConfig, Qwen2Config
 
 from engine_core import LLM, SamplingParams
-from engine_core.model.layers.cpu_gemm_rows import NEVER, CpuGemmRows
+from engine_core.model.layers.cpu_gemm_rows import CODED_M, NEVER, CpuGemmRows
 from engine_core.model.layers.linear import UNQUANTIZED, Linear, process_linear_weights
 from engine_core.model.layers.selector import select_linear_method
 from engine_core.model.loader import iter_weights
@@ -141,7 +141,7 @@ def _reload_linears(runner: ModelRunner, model_dir: Path, rows: CpuGemmRows) -> 
 @pytest.mark.parametrize(
     ("gguf", "onednn_m", "large_m", "resident"),
     [
-        (True, 128, NEVER, {"coded", "onednn"}),
+        (True, 128, NEVER, {"coded"}),
         (False, 128, NEVER, {"panels", "onednn"}),
         (False, 1, NEVER, {"onednn"}),
         (False, 1, 1, {"plain"}),
@@ -160,7 +160,7 @@ def test_native_decode_step_matches_the_python_layers(
     runner = llm.core.executor
     if not isinstance(runner.decode_step, NativeDecodeStep):
         pytest.skip("native CPU kernels unavailable")
-    coded_m = 128 if cpu_kernels.coded_linear_vectorized() else 0
+    coded_m = CODED_M if cpu_kernels.coded_linear_vectorized() else 0
     _reload_linears(runner, model_dir, CpuGemmRows(coded_m, onednn_m, large_m))
     if gguf and not coded_m:
         resident = {"panels", "onednn"}

@@ -101,7 +101,12 @@ def decode(tensor: GgufTensor, raw: torch.Tensor) -> torch.Tensor:
             out = _f16(blocks[:, :2]) * q.float() + _f16(blocks[:, 2:4])
     else:
         # NOTE: gguf-py's own decoding (numpy, one core): exact by definition for every other format.
-        out = torch.from_numpy(dequantize(raw.numpy(), tensor.kind).copy())
+        try:
+            out = torch.from_numpy(dequantize(raw.numpy(), tensor.kind).copy())
+        except NotImplementedError:
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} is of type {tensor.kind.name}, which the engine cannot decode"
+            ) from None
     return out.reshape(tensor.shape)
 
 

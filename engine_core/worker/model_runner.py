@@ -18,6 +18,7 @@ import torch
 
 from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.selector import create_backend
+from engine_core.checkpoint.model_dir import gguf_file
 from engine_core.config import EngineConfig
 from engine_core.host_cpus import usable_cpus
 from engine_core.model.layers.cpu_bfloat16 import cpu_bf16_gemms
@@ -102,6 +103,8 @@ class ModelRunner:
                 threads = min(threads, usable_cpus())
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
+        if config.quantization == "gguf" and gguf_file(model_dir) is None:
+            raise ValueError(f"quantization='gguf' needs a .gguf model; {config.model or model_dir} has none")
         prefetch_weights(model_dir)  # the disk read overlaps the config import and the model's construction
         hf = load_config(model_dir)
         self.hf_config = hf

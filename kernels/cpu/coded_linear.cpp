@@ -1,4 +1,6 @@
-// y = x @ W^T (+ b) for a few rows, with W read in its block-coded form: 4 or 8 bits per weight instead of 32.
+// y = x @ W^T (+ b) at every row count, with W resident only in its block-coded form: 4 or 8 bits per weight
+// instead of 32. Below 16 rows each record is decoded in registers per 8 rows; from 16, each pair of panels is
+// decoded once into an L2-sized buffer and multiplied by the panel kernel (panel_gemm, panel_linear.cpp).
 //
 // Why: at 1-8 rows a projection is bound by the memory stream of W (30 GB/s here: SmolLM2's 425 MB of float32
 // layer weights take ~14 ms per decode step). A GGUF model's float32 weights are exactly its quantization blocks
@@ -6,10 +8,10 @@
 // values), so the same float32 weights can be stored as codes and decoded on the fly, bit for bit: d * q is exact in
 // float32 (an 11-bit mantissa times at most 8 bits), so fma(d, q, m) rounds once, as the decoding did.
 //
-// coded_pack finds the codes from the float32 weights alone (no GGUF reader, no name mapping): in a Q4_1 block the
-// smallest weight has q = 0 and the largest q = 15, so m = min and d = f16((max - min) / 15); in a Q8_0 block the
-// largest magnitude has |q| = 127, so d = f16(max |w| / 127). It accepts codes only if decoding reproduces every
-// weight exactly, and returns no records otherwise (bf16, fp16 or trained float32 weights keep the panel kernel).
+// coded_pack finds the codes from the float32 weights alone (no GGUF reader, no name mapping): Q4_1, Q4_0 (4-bit
+// records), Q8_0, Q5_1, Q5_0 (8-bit records), block by block (`encode_block`). It accepts codes only if decoding
+// reproduces every weight exactly, and returns no records otherwise (bf16, fp16, trained float32 or K-quant weights
+// keep the float32 forms).
 //
 // Layout (`records`, uint8 [ceil(N/16), K/32, R]): the panel of 16 output columns of panel_linear.cpp, cut into
 // blocks of 32 k; each (panel, block) is one record: d[16] float32, m[16] float32, then the codes, one byte per
@@ -27,6 +29,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>  // std::aligned_alloc
 
 #include "ops.h"
 
@@ -40,6 +43,9 @@ constexpr int64_t kCols = 16;   // columns per panel
 constexpr int64_t kBlock = 32;  // k per record
 constexpr int64_t kScales = 2 * kCols * static_cast<int64_t>(sizeof(float));  // d[16] and m[16]
 constexpr int kMaxRows = 8;     // rows per micro-kernel call
+// Rows from which a panel is decoded once and multiplied by the panel kernel (below: decoded again per 8 rows, in
+// registers, which wins below 16 rows and ties the panel kernel from 16: docs/benchmarks.md, "CPU GEMMs by row count").
+constexpr int64_t kDecodeOnceRows = 16;
 
 constexpr int64_t record_bytes(int64_t bits) { return kScales + kBlock * kCols * bits / 8; }
 
@@ -119,13 +125,61 @@ void micro(const float* a, int64_t lda, const uint8_t* rec, int64_t K, const flo
 constexpr bool kVectorized = false;
 #endif
 
+// One panel's records (16 columns, K / 32 records) -> its float32 weights in panel_pack's layout [K][16]: the same
+// fma(d, q, m) per weight as the micro-kernels, so the panel kernel on them gives coded_linear's bits.
+template <int BITS>
+void decode_panel(const uint8_t* rec, int64_t K, float* dst) {
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock, rec += record_bytes(BITS)) {
+    const float* d = reinterpret_cast<const float*>(rec);
+    const float* m = d + kCols;
+    const uint8_t* codes = rec + kScales;
+#if defined(__AVX512F__)
+    const __m512 dv = _mm512_load_ps(d), mv = _mm512_load_ps(m);
+    for (int64_t kk = 0; kk < kBlock; ++kk) {
+      __m512i v;
+      if constexpr (BITS == 4) {
+        v = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + (kk / 2) * kCols)));
+        v = kk % 2 ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(0xF));
+      } else {
+        v = _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(codes + kk * kCols)));
+      }
+      _mm512_store_ps(dst + (k0 + kk) * kCols, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(v), mv));
+    }
+#else
+    for (int64_t kk = 0; kk < kBlock; ++kk) {
+      for (int64_t j = 0; j < kCols; ++j) {
+        const int q = BITS == 4 ? (codes[(kk / 2) * kCols + j] >> (4 * (kk % 2))) & 0xF
+                                : static_cast<int8_t>(codes[kk * kCols + j]);
+        dst[(k0 + kk) * kCols + j] = std::fma(d[j], static_cast<float>(q), m[j]);
+      }
+    }
+#endif
+  }
+}
+
 using Micro = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
 template <int BITS>
 constexpr Micro kMicro[kMaxRows + 1] = {nullptr,          micro<1, BITS>, micro<2, BITS>, micro<3, BITS>,
                                         micro<4, BITS>,   micro<5, BITS>, micro<6, BITS>, micro<7, BITS>,
                                         micro<8, BITS>};
 
-// One block of 32 weights of output column j into its record; false where the block is not exactly BITS codes.
+// Whether the block w[0..31] is exactly fma(d, q, m) for integers q in [qmin, qmax] (d * q is exact for the scales
+// tried, so this is the kernel's decoding); the codes into q.
+bool fits(const float* w, float d, float m, float qmin, float qmax, int* q) {
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const float c = d != 0.0f ? std::clamp(std::nearbyint((w[i] - m) / d), qmin, qmax) : 0.0f;
+    if (d * c + m != w[i]) return false;  // NaN fails here too
+    q[i] = static_cast<int>(c);
+  }
+  return true;
+}
+
+// One block of 32 weights of output column j into its record; false where the block is not exactly BITS codes. Each
+// GGUF format's scale and offset are found from its decoded values (llama.cpp's quantizers): Q4_1 / Q5_1 map the
+// block's minimum to q = 0 and its maximum to q = 15 / 31 (d = f16((max - min) / 15 or 31), m = min); Q4_0 / Q5_0
+// map the value of largest magnitude e to q = 0 (x = d * (q - 8 or 16), so d = -e / 8 or 16 exactly, m = e); Q8_0
+// maps it to +-127 (d = f16(max |w| / 127), m = 0). 4-bit records hold Q4_1 and Q4_0 blocks, 8-bit ones Q8_0, Q5_1
+// and Q5_0 blocks, block by block.
 template <int BITS>
 bool encode_block(const float* w, uint8_t* rec, int64_t j) {
   float lo = w[0], hi = w[0];
@@ -133,18 +187,37 @@ bool encode_block(const float* w, uint8_t* rec, int64_t j) {
     lo = std::min(lo, w[i]);
     hi = std::max(hi, w[i]);
   }
-  const float m = BITS == 4 ? lo : 0.0f;
-  const float d = static_cast<float>(c10::Half(BITS == 4 ? (hi - lo) / 15.0f : std::max(hi, -lo) / 127.0f));
+  const float extreme = hi >= -lo ? hi : lo;
+  const auto f16 = [](float v) { return static_cast<float>(c10::Half(v)); };
+  int q[kBlock];
+  float d = 0.0f, m = 0.0f;
+  bool found = false;
+  if constexpr (BITS == 4) {
+    const float schemes[2][2] = {{f16((hi - lo) / 15.0f), lo}, {-extreme / 8.0f, extreme}};
+    for (const auto& [sd, sm] : schemes) {
+      if ((found = fits(w, sd, sm, 0.0f, 15.0f, q))) {
+        d = sd, m = sm;
+        break;
+      }
+    }
+  } else {
+    const float schemes[3][4] = {{f16(std::max(hi, -lo) / 127.0f), 0.0f, -128.0f, 127.0f},
+                                 {f16((hi - lo) / 31.0f), lo, 0.0f, 31.0f},
+                                 {-extreme / 16.0f, extreme, 0.0f, 31.0f}};
+    for (const auto& [sd, sm, qmin, qmax] : schemes) {
+      if ((found = fits(w, sd, sm, qmin, qmax, q))) {
+        d = sd, m = sm;
+        break;
+      }
+    }
+  }
+  if (!found) return false;
   uint8_t* codes = rec + kScales;
   for (int64_t i = 0; i < kBlock; ++i) {
-    const float q = d > 0.0f ? std::clamp(std::nearbyint((w[i] - m) / d), BITS == 4 ? 0.0f : -128.0f,
-                                          BITS == 4 ? 15.0f : 127.0f)
-                             : 0.0f;
-    if (d * q + m != w[i]) return false;  // d * q is exact, so this is the kernel's fma(d, q, m)
     if constexpr (BITS == 4) {
-      codes[(i / 2) * kCols + j] |= static_cast<uint8_t>(q) << (4 * (i % 2));
+      codes[(i / 2) * kCols + j] |= static_cast<uint8_t>(q[i]) << (4 * (i % 2));
     } else {
-      codes[i * kCols + j] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      codes[i * kCols + j] = static_cast<uint8_t>(static_cast<int8_t>(q[i]));
     }
   }
   reinterpret_cast<float*>(rec)[j] = d;
@@ -209,6 +282,30 @@ void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records
   const uint8_t* rp = records.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), P = records.size(0), panel_bytes = (K / kBlock) * record_bytes(bits);
+  if (M >= kDecodeOnceRows) {
+    // NOTE: from kDecodeOnceRows rows each pair of panels is decoded once into a buffer that stays in L2 (2 x K x 16
+    // floats: 196 KB at K = 1536) and multiplied by the panel kernel's 12 x 32 tile, instead of being decoded again
+    // for every 8 rows: float32 GEMM speed at prefill sizes with only the codes resident.
+    const int64_t panel_floats = K * kCols;
+    at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) {
+      float* buf = static_cast<float*>(std::aligned_alloc(64, 2 * panel_floats * sizeof(float)));
+      TORCH_CHECK(buf != nullptr, "coded_linear: out of memory for a ", 2 * panel_floats, "-float buffer");
+      for (int64_t p = begin; p < end;) {
+        const int64_t count = p + 1 < end ? 2 : 1;
+        for (int64_t i = 0; i < count; ++i) {
+          if (bits == 4) {
+            decode_panel<4>(rp + (p + i) * panel_bytes, K, buf + i * panel_floats);
+          } else {
+            decode_panel<8>(rp + (p + i) * panel_bytes, K, buf + i * panel_floats);
+          }
+        }
+        pagoda::panel_gemm(xp, ldx, buf, count, K, b, op, N, p * kCols, M);
+        p += count;
+      }
+      std::free(buf);
+    });
+    return;
+  }
   const Micro* micros = bits == 4 ? kMicro<4> : kMicro<8>;
   // Row blocks as even as possible; every block decodes the panel again, so the caller keeps this kernel to the
   // few rows where decoding is cheaper than streaming float32 weights (model/layers/cpu_gemm_rows.py, CODED_M).

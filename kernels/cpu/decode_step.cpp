@@ -19,7 +19,7 @@
 namespace {
 
 struct Gemms {
-  // rows below coded_m: the coded kernel (where the weight has codes); below onednn_m: the panel kernel; from
+  // rows below coded_m: the coded kernel (where the weight has codes); else below onednn_m: the panel kernel; from
   // onednn_m: oneDNN; from large_m: MKL (model/layers/cpu_forms.py's `cpu_gemm`, in the same order)
   int64_t coded_m, onednn_m, large_m;
 };
@@ -36,16 +36,15 @@ struct Forms {
 at::Tensor project(const Gemms& g, const at::Tensor& x, const Forms& w, const c10::optional<at::Tensor>& bias) {
   const int64_t rows = x.size(0);
   // each row count takes the first form of codes, panels, oneDNN it reaches that the weight has
-  if (rows < g.onednn_m && (w.coded.has_value() || w.panels.has_value())) {
+  if (rows < g.coded_m && w.coded.has_value()) {
     at::Tensor out = at::empty({rows, w.out_features}, x.options());
-    if (rows < g.coded_m && w.coded.has_value()) {
-      pagoda::coded_linear(out, x, *w.coded, bias);
-      return out;
-    }
-    if (w.panels.has_value()) {
-      pagoda::panel_linear(out, x, *w.panels, bias);
-      return out;
-    }
+    pagoda::coded_linear(out, x, *w.coded, bias);
+    return out;
+  }
+  if (rows < g.onednn_m && w.panels.has_value()) {
+    at::Tensor out = at::empty({rows, w.out_features}, x.options());
+    pagoda::panel_linear(out, x, *w.panels, bias);
+    return out;
   }
   if (rows >= g.large_m) {
     TORCH_CHECK(w.plain.has_value(), "decode_layers: no plain weight for ", rows, " rows");

@@ -17,6 +17,10 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
                       int64_t head_dim);
 at::Tensor panel_pack(const at::Tensor& weight);
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+// out[:, n0 : n0 + 16 * count] (within N) = x @ W^T (+ bias) for M rows of x, W's columns as `count` (1 or 2)
+// adjacent `panel_pack` panels [K][16] at `panels` (64-byte aligned); panel_linear's bits for those columns.
+void panel_gemm(const float* x, int64_t ldx, const float* panels, int64_t count, int64_t K, const float* bias,
+                float* out, int64_t N, int64_t n0, int64_t M);
 void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records,
                   const c10::optional<at::Tensor>& bias);
 

@@ -253,6 +253,20 @@ void panel_rows(const float* x, int64_t ldx, const float* panel, int64_t K, cons
 
 namespace pagoda {
 
+void panel_gemm(const float* x, int64_t ldx, const float* panels, int64_t count, int64_t K, const float* bias,
+                float* out, int64_t N, int64_t n0, int64_t M) {
+  const int64_t blocks = (M + kMr - 1) / kMr;
+#ifdef PANEL_PAIRS
+  if (count == 2 && n0 + 2 * kNr <= N) {
+    panel_rows(x, ldx, panels, K, bias, out, N, n0, M, blocks, true);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < count && n0 + i * kNr < N; ++i) {
+    panel_rows(x, ldx, panels + i * K * kNr, K, bias, out, N, n0 + i * kNr, M, blocks, false);
+  }
+}
+
 // W [N, K] -> panels [ceil(N/16), K, 16], zero-padded past column N.
 at::Tensor panel_pack(const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2, "panel_pack: weight must be float32 [N, K]");

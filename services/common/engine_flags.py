@@ -19,7 +19,8 @@ from services.common.flags import add_flag, optional_float, optional_int, option
 MODEL_FIELDS = ("model", "tokenizer")
 # What shapes the model runner and its KV cache.
 WORKER_FIELDS = (
-    "dtype", "device", "block_size", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization", "max_model_len",
+    "dtype", "quantization", "device", "block_size", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
+    "max_model_len",
     "attention_backend", "enforce_eager", "num_threads", "seed", "max_num_seqs", "num_kv_blocks",
 )  # fmt: skip
 # What shapes continuous batching (the worker's --max-num-seqs must be at least the scheduler's).

@@ -1,5 +1,5 @@
 """Block-coded weights: found exactly in GGUF-decoded float32 weights by `coded_pack`, and read by `coded_linear`
-with the panel kernel's bits (kernels/cpu/coded_linear.cpp)."""
+with the panel kernel's bits at every row count (kernels/cpu/coded_linear.cpp)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,38 @@ def test_codes_are_found_and_decode_to_the_same_weights(kind: str, bits: int) ->
     assert torch.equal(decoded(records, 70), w)
 
 
+@pytest.mark.parametrize(("kind", "bits"), [("Q4_0", 4), ("Q4_1", 4), ("Q5_0", 8), ("Q5_1", 8), ("Q8_0", 8)])
+def test_every_legacy_gguf_format_is_found_as_codes(kind: str, bits: int) -> None:
+    """Blocks quantized by gguf-py (llama.cpp's quantizers) and decoded as the loader decodes them (model/
+    gguf_weights.py): their codes are found, decode to the same weights, and multiply with the panel kernel's bits.
+    K-quants (sub-block scales) are not codes here: they keep the float32 forms."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quantize
+
+    from engine_core.checkpoint.gguf_file import GgufTensor
+    from engine_core.model.gguf_weights import decode
+
+    qtype = GGMLQuantizationType[kind]
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(40, 256, generator=g) * 0.05
+    w[2, :32] = 0.0  # an all-zero block (d = 0)
+    raw = torch.from_numpy(quantize(w.numpy(), qtype).reshape(-1))
+    assert raw.numel() == 40 * 256 // 32 * GGML_QUANT_SIZES[qtype][1]
+    weights = decode(GgufTensor("w", (40, 256), qtype, 0, raw.numel()), raw)
+    records = cpu_kernels.coded_pack(weights)
+    assert records is not None and BITS[records.shape[2]] == bits
+    assert torch.equal(decoded(records, 40), weights)
+    x = torch.randn(20, 256, generator=g)
+    assert torch.equal(
+        cpu_kernels.coded_linear(x, records, 40, None),
+        cpu_kernels.panel_linear(x, cpu_kernels.panel_pack(weights), 40, None),
+    )
+    k_quant = decode(
+        GgufTensor("w", (16, 256), GGMLQuantizationType.Q4_K, 0, 16 * 144),
+        torch.randint(0, 256, (16 * 144,), dtype=torch.uint8, generator=g),
+    )
+    assert cpu_kernels.coded_pack(k_quant) is None
+
+
 def test_weights_that_are_not_codes_are_left_alone() -> None:
     g = torch.Generator().manual_seed(2)
     assert cpu_kernels.coded_pack(torch.randn(16, 64, generator=g)) is None  # training weights
@@ -54,10 +86,11 @@ def test_weights_that_are_not_codes_are_left_alone() -> None:
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 31])
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 15, 16, 17, 31, 40, 301])
 @pytest.mark.parametrize(("n", "with_bias"), [(96, False), (50, True)])
 def test_coded_linear_gives_the_panel_kernels_bits(kind: str, rows: int, n: int, with_bias: bool) -> None:
-    """Every row-block height (1..8), a partial last panel (N % 16 != 0), with and without a bias."""
+    """Every row-block height (1..8), then panels decoded once (from 16 rows: pairs, an odd last panel, the panel
+    kernel's row blocks of 12), a partial last panel (N % 16 != 0), with and without a bias."""
     g = torch.Generator().manual_seed(rows)
     w = gguf_decoded(torch.randn(n, 576, generator=g) * 0.05, kind)
     b = torch.randn(n, generator=g) if with_bias else None
@@ -70,17 +103,18 @@ def test_coded_linear_gives_the_panel_kernels_bits(kind: str, rows: int, n: int,
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_coded_linear_takes_strided_rows_and_any_thread_count() -> None:
-    w = gguf_decoded(torch.randn(40, 64) * 0.1, "q4_1")
+@pytest.mark.parametrize("rows", [5, 40])
+def test_coded_linear_takes_strided_rows_and_any_thread_count(rows: int) -> None:
+    w = gguf_decoded(torch.randn(72, 64) * 0.1, "q4_1")
     records = cpu_kernels.coded_pack(w)
     assert records is not None
-    x = torch.randn(5, 200)[:, 8:72]  # row stride 200, as a projection's output view gives it
-    want = cpu_kernels.coded_linear(x.contiguous(), records, 40, None)
+    x = torch.randn(rows, 200)[:, 8:72]  # row stride 200, as a projection's output view gives it
+    want = cpu_kernels.coded_linear(x.contiguous(), records, 72, None)
     threads = torch.get_num_threads()
     try:
         for t in (1, 2, 3):
             torch.set_num_threads(t)
-            assert torch.equal(cpu_kernels.coded_linear(x, records, 40, None), want)
+            assert torch.equal(cpu_kernels.coded_linear(x, records, 72, None), want)
     finally:
         torch.set_num_threads(threads)
 
@@ -103,24 +137,25 @@ def _gguf_linear(w: torch.Tensor, b: torch.Tensor) -> Linear:
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 31, 64, CODED_M - 1, CODED_M, 200])
-def test_a_gguf_linear_reads_codes_below_coded_m_with_the_panel_kernels_bits(rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 15, 16, 31, 64, 128, 200])
+def test_a_gguf_linear_reads_its_codes_alone_at_every_row_count_with_the_panel_kernels_bits(rows: int) -> None:
+    """Below 16 rows the records are decoded in registers, from 16 a panel pair at a time into a buffer: both give
+    the panel kernel's bits on the decoded weights, and no float32 form of the weight stays resident."""
     w, b = gguf_decoded(torch.randn(96, 64) * 0.1, "q4_1"), torch.randn(96)
     layer = _gguf_linear(w, b)
     forms = layer.cpu_forms
     assert forms is not None and forms.coded is not None
-    assert forms.panels is None and forms.plain is None  # the codes serve every row below oneDNN
+    assert forms.panels is None and forms.onednn is None and forms.plain is None
     x = torch.randn(rows, 64)
-    if rows < CODED_M:
-        assert torch.equal(layer(x), cpu_kernels.panel_linear(x, cpu_kernels.panel_pack(w), 96, b))
+    assert torch.equal(layer(x), cpu_kernels.panel_linear(x, cpu_kernels.panel_pack(w), 96, b))
     torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
     plain = _gguf_linear(torch.randn(96, 64), b).cpu_forms
-    assert plain is not None and plain.coded is None and plain.panels is not None  # no codes: the float32 panels
+    assert plain is not None and plain.coded is None and plain.panels is not None  # no codes: the float32 forms
 
 
 @pytest.mark.slow
 def test_the_default_models_projections_all_have_codes(smollm2_dir: str) -> None:
-    """The default GGUF (Q4_1 layers, Q8_0 tied embedding) takes the coded kernel everywhere below CODED_M."""
+    """The default GGUF (Q4_1 layers, Q8_0 tied embedding) takes the coded kernel at every row count."""
     from engine_core.model.loader import iter_weights, load_config
 
     weights = iter_weights(smollm2_dir, load_config(smollm2_dir))

@@ -35,15 +35,18 @@ def pack_forms(weight: torch.Tensor, rows: CpuGemmRows, coded: torch.Tensor | No
     """The forms of `weight` that `rows` reaches; `coded`: its block codes, if it has them."""
     n = weight.shape[0]
     coded = coded if rows.coded_m > 0 else None
-    below_onednn_without_codes = rows.onednn_m > 1 and (coded is None or rows.coded_m < rows.onednn_m)
+    # rows from `first` on reach the float32 forms: every row count (from 1) without codes, those from coded_m with
+    first = 1 if coded is None else max(1, rows.coded_m)
     return CpuWeightForms(
         out_features=n,
         rows=rows,
         coded=coded,
-        panels=cpu_kernels.panel_pack(weight) if below_onednn_without_codes else None,
+        panels=cpu_kernels.panel_pack(weight) if first < rows.onednn_m else None,
         # NOTE: no batch-size hint: one layout serves every row count (a hint of 1 or 2048 was slower elsewhere).
-        onednn=torch.ops.mkldnn._reorder_linear_weight(weight, None) if rows.onednn_m < rows.large_m else None,
-        plain=weight if rows.large_m < NEVER else None,
+        onednn=torch.ops.mkldnn._reorder_linear_weight(weight, None)
+        if max(first, rows.onednn_m) < rows.large_m
+        else None,
+        plain=weight if max(first, rows.large_m) < NEVER else None,
     )
 
 
@@ -52,13 +55,14 @@ def cpu_gemm(forms: CpuWeightForms, x: torch.Tensor, bias: torch.Tensor | None) 
     row count takes the first form of codes, panels, oneDNN it reaches that the weight has."""
     m = x.shape[0]
     rows = forms.rows
-    if m < rows.onednn_m and (forms.coded is not None or forms.panels is not None):
+    if m < rows.coded_m and forms.coded is not None:
+        return cpu_kernels.coded_linear(
+            x if x.stride(-1) == 1 else x.contiguous(), forms.coded, forms.out_features, bias
+        )
+    if m < rows.onednn_m and forms.panels is not None:
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if m < rows.coded_m and forms.coded is not None:
-            return cpu_kernels.coded_linear(x, forms.coded, forms.out_features, bias)
-        if forms.panels is not None:
-            return cpu_kernels.panel_linear(x, forms.panels, forms.out_features, bias)
+        return cpu_kernels.panel_linear(x, forms.panels, forms.out_features, bias)
     if m >= rows.large_m:
         assert forms.plain is not None
         return nn.functional.linear(x, forms.plain, bias)

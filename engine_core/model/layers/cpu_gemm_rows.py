@@ -1,9 +1,9 @@
 """CPU float32 GEMMs: the row thresholds of the dispatch (`CpuGemmRows`) that `model/layers/cpu_forms.cpu_gemm` and
 the native decode step both follow.
 
-Below CODED_M rows a weight that is exactly GGUF blocks decoded (`coded_pack` finds and checks the codes) runs
-`coded_linear` on its codes, other weights the `panel_linear` kernel below ONEDNN_M; from ONEDNN_M rows oneDNN with
-the weight packed at load; from LARGE_M rows MKL, only where it wins a one-time race against oneDNN
+A weight that is exactly GGUF blocks decoded (`coded_pack` finds and checks the codes) runs `coded_linear` on its
+codes at every row count (CODED_M); other weights run the `panel_linear` kernel below ONEDNN_M, from ONEDNN_M rows
+oneDNN with the weight packed at load, from LARGE_M rows MKL, only where it wins a one-time race against oneDNN
 (`mkl_from_rows`). Without the native kernels every row count below `mkl_from_rows()` goes to oneDNN. Which forms a
 weight keeps resident follows from these thresholds (`pack_forms`). The measurements behind the thresholds are in
 docs/benchmarks.md, "CPU GEMMs by row count".
@@ -20,14 +20,14 @@ from torch import nn
 
 from kernels import cpu as cpu_kernels
 
-# NOTE: the codes serve every row count below oneDNN, so a weight with codes keeps no float32 panels beside them
-# (-538 MB on the default model): they give the panel kernel's bits, as fast over the 30 layers at 32 and 64 rows
-# (docs/benchmarks.md, "CPU GEMMs by row count": 39.3 vs 39.0 ms, 79.0 vs 79.2), the LM head 8-12 % slower there
-# (11.0 vs 9.8 ms).
-CODED_M = 128  # rows below which a weight with block codes runs the coded kernel
+NEVER = 1 << 62  # a row threshold no step reaches
+# NOTE: a weight with codes keeps nothing else (no float32 panels, no oneDNN copy: -425 MB on the default model).
+# Below 16 rows the coded kernel decodes in registers, which beats float32 (the bytes streamed are the cost); from 16
+# it decodes each panel pair once into L2 and runs the panel kernel on it, the panel kernel's speed, within a few %
+# of oneDNN at prefill sizes (docs/benchmarks.md, "CPU GEMMs by row count").
+CODED_M = NEVER  # rows below which a weight with block codes runs the coded kernel: every row count
 ONEDNN_M = 128  # rows from which oneDNN runs (below: the panel kernel)
 LARGE_M = 512  # rows from which MKL runs, on CPUs where it beats oneDNN (`mkl_from_rows`)
-NEVER = 1 << 62  # a row threshold no step reaches
 _RACE_SHAPE = (1024, 576, 1536)  # rows, in, out: a prefill chunk through a SmolLM2-sized projection (~1.8 GFLOP)
 
 
@@ -67,7 +67,7 @@ class CpuGemmRows:
     has them), rows below `onednn_m` the panel kernel, rows from `onednn_m` oneDNN, rows from `large_m` MKL.
 
     A weight keeps only the forms some row count reaches (model/layers/cpu_forms.py): with the defaults, a weight
-    with codes is resident as codes + oneDNN, one without as panels + oneDNN; the plain float32 copy only where MKL
+    with codes is resident as its codes alone, one without as panels + oneDNN; the plain float32 copy only where MKL
     runs.
     """
 

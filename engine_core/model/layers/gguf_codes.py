@@ -1,9 +1,9 @@
-"""CPU linears whose float32 weight is exactly GGUF blocks decoded: kept as those codes (4 or 8 bits per weight).
+"""CPU linears whose float32 weight is exactly GGUF blocks decoded: kept as those codes alone (4 or 8 bits per weight).
 
-`coded_pack` (kernels/cpu/coded_linear.cpp) finds the Q4_1 / Q8_0 codes from the float32 weight alone and accepts
-them only if decoding gives every weight back bit for bit; rows below `rows.coded_m` read them with `coded_linear`,
-which gives the panel kernel's bits. A weight without codes keeps the float32 forms (cpu_float32.py).
-"""
+`coded_pack` (kernels/cpu/coded_linear.cpp) finds the Q4_0 / Q4_1 (4-bit) or Q5_0 / Q5_1 / Q8_0 (8-bit) codes from
+the float32 weight alone and accepts them only if decoding gives every weight back bit for bit; `coded_linear` reads
+them at every row count with the panel kernel's bits, so the weight keeps no float32 form. A weight without codes
+(float32 / bf16 / f16 checkpoints, K-quants) keeps the float32 forms (cpu_float32.py)."""
 
 from __future__ import annotations
 
