@@ -210,7 +210,8 @@ class EngineCore:
             out.new_token_ids = upd.new_token_ids
             k = seq.request.sampling_params.logprobs
             if k is not None and result.logprobs is not None and not upd.error:
-                out.new_logprobs = tensor_rows(result.logprobs, [upd.row], k)
+                rows = list(range(upd.row, upd.row + len(upd.new_token_ids)))  # one row per token (drafts too)
+                out.new_logprobs = tensor_rows(result.logprobs, rows, k)
             out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
             if upd.error:
                 out.error = upd.error

@@ -101,6 +101,9 @@ class Sequence:
     pending_fork: bool = False
     # Tokens that steps in flight will sample (not known yet): 1 while its step runs, 2 with a step scheduled ahead.
     num_pending: int = 0
+    # Draft tokens the step in flight verifies (speculative decoding): the scheduler counted them as computed, and
+    # `Scheduler.update` takes back those the worker rejected.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
