@@ -39,10 +39,22 @@ def _parser_type(name: str) -> Callable[[str], Any]:
     base = next(a for a in args if a is not type(None)) if optional else hint
     parse = getattr(base, "parse", None)
     if parse is not None:
-        return parse  # a typed config given as JSON (speculative_config)
+        return json_config(parse)  # a typed config given as JSON (speculative_config)
     if optional:
         return {int: optional_int, float: optional_float, str: optional_str}[base]
     return base
+
+
+def json_config(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type for a typed config given as JSON: its ValueError becomes the flag's error message."""
+
+    def parse_flag(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_flag
 
 
 def field_default(name: str) -> Any:

@@ -184,6 +184,7 @@ class EngineLoop:
             async_scheduling=self.config.async_scheduling,
             enable_prefix_caching=self.config.enable_prefix_caching,
             num_kv_blocks=num_blocks,
+            speculative_config=self.config.speculative_config,
         )
         core = EngineCore(engine_config, self.executor, info.max_model_len, num_blocks)
         if self.registry is not None and self.executor.step_metrics is None:
