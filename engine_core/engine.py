@@ -25,6 +25,7 @@ from engine_core.core.request_limits import RequestLimits
 from engine_core.core.scheduler import Scheduler
 from engine_core.core.seq_output import SeqOutput, ending_outputs, tensor_rows
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
+from engine_core.spec_decode.stats import SpecDecodeStats
 from engine_core.stats import EngineStats
 
 log = structlog.get_logger(__name__)
@@ -130,6 +131,7 @@ class EngineCore:
         pool = sched.kv.pool
         # NOTE: one pass over the running batch (at most max_num_seqs) per snapshot: requests, not sequences.
         running_requests = len({s.request.request_id for s in sched.running})
+        spec = sched.drafter.stats if sched.drafter is not None else SpecDecodeStats()
         return EngineStats(
             running=len(sched.running),
             waiting=len(sched.waiting),
@@ -143,6 +145,10 @@ class EngineCore:
             prefix_cache_evictions=pool.num_evictions,
             running_requests=running_requests,
             waiting_requests=len(sched.requests) - running_requests,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
         )
 
     @property

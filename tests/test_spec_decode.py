@@ -97,6 +97,10 @@ def test_greedy_output_is_identical_with_drafts(tiny_dir: Path, backend: str) ->
     core = make_core(tiny_dir, NGRAM, backend)
     assert_same(off, generate(core, params))
     assert accepted(core) > 10  # drafts were verified and accepted, not skipped
+    stats = core.stats()  # what the scheduler exports as pagoda:spec_decode_*
+    assert stats.spec_decode_num_accepted_tokens == accepted(core) == sum(stats.spec_decode_num_accepted_tokens_per_pos)
+    assert stats.spec_decode_num_draft_tokens >= stats.spec_decode_num_accepted_tokens
+    assert 0 < stats.spec_decode_num_drafts <= stats.spec_decode_num_draft_tokens
 
 
 def test_chunked_prefill_n_and_logprobs_are_unchanged(tiny_dir: Path) -> None:
