@@ -57,6 +57,9 @@ class RequestTimings:
     first_token: float | None = None
     finished: float | None = None
     num_steps: int = 0  # steps that computed tokens for any of its choices
+    # Speculative decoding, over its choices: drafts verified, and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     events: list[LifecycleEvent] = field(default_factory=list)
 
 

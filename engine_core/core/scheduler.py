@@ -408,6 +408,9 @@ class Scheduler:
         drafts, seq.spec_token_ids = seq.spec_token_ids, []
         num_accepted = max(0, min(num_accepted, len(drafts)))
         seq.num_computed_tokens -= len(drafts) - num_accepted
+        timings = seq.request.timings
+        timings.num_draft_tokens += len(drafts)
+        timings.num_accepted_tokens += num_accepted
         assert self.drafter is not None
         self.drafter.record(seq.seq_id, len(drafts), num_accepted)
 
