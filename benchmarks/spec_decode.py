@@ -58,8 +58,12 @@ def make_llm(args: argparse.Namespace, spec: dict[str, Any] | None) -> Any:
     )
 
 
+STEP_MS: dict[str, list[float]] = {"plain": [], "verify": []}  # the on-arm's decode steps, by kind
+
+
 def batch1(llm: Any, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
-    """ms per output token after the first, one request alone; its tokens."""
+    """ms per output token after the first, one request alone; its tokens. Each decode step's time is recorded in
+    STEP_MS by kind (with drafts: "verify", the general forward; without: "plain", the native decode step)."""
     from engine_core import SamplingParams
     from engine_core.core.request import Request
 
@@ -73,8 +77,13 @@ def batch1(llm: Any, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
         tokens += o.new_token_ids
     t0 = time.perf_counter()
     while core.has_unfinished:
+        drafts = core.stats().spec_decode_num_drafts
+        s0 = time.perf_counter()
         for o in core.step():
             tokens += o.new_token_ids
+        if core.scheduler.drafter is not None:
+            kind = "verify" if core.stats().spec_decode_num_drafts > drafts else "plain"
+            STEP_MS[kind].append((time.perf_counter() - s0) * 1000)
     return (time.perf_counter() - t0) * 1000 / max(1, len(tokens) - 1), tokens
 
 
@@ -130,6 +139,9 @@ def main() -> None:
         "accepted_per_pos": list(stats.spec_decode_num_accepted_tokens_per_pos),
     }
     result["batch1_speedup"] = result["batch1_ms_per_token_off"] / result["batch1_ms_per_token_on"]
+    for kind, values in STEP_MS.items():
+        result[f"on_{kind}_step_ms"] = sum(values) / len(values) if values else None
+        result[f"on_{kind}_steps"] = len(values)
     if not args.skip_random:
         tok_s = {}
         for arm in ("off", "on", "on", "off"):

@@ -115,6 +115,15 @@ def test_chunked_prefill_n_and_logprobs_are_unchanged(tiny_dir: Path) -> None:
     assert accepted(core) > 0
 
 
+def test_a_parent_about_to_fork_gets_no_drafts(tiny_dir: Path) -> None:
+    """n = 2 with a prompt that recurs: the parent's last chunk before its fork is one token that samples nothing,
+    so it must not carry drafts; the choices then speculate on their own."""
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=20, n=2)]
+    off = generate(make_core(tiny_dir, None, max_num_batched_tokens=6), params, [PROMPTS[1]])
+    core = make_core(tiny_dir, NGRAM, max_num_batched_tokens=6)
+    assert_same(off, generate(core, params, [PROMPTS[1]]))
+
+
 def test_seeded_sampling_repeats_and_matches_decoding_without_drafts(tiny_dir: Path) -> None:
     """A seeded row's position i draws its output step i's noise, and rejected positions' draws are taken back."""
     params = [SamplingParams(temperature=0.7, seed=11 + i, ignore_eos=True, max_tokens=30) for i in range(4)]

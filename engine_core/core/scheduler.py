@@ -164,7 +164,8 @@ class Scheduler:
         """
         assert self.drafter is not None
         seq.spec_token_ids = []
-        if seq.num_pending or not self.drafter.active(len(self.running)):
+        samples = not seq.pending_fork and seq.num_computed_tokens + 1 == seq.num_tokens  # this step samples it
+        if seq.num_pending or not samples or not self.drafter.active(len(self.running)):
             return 1, ids
         params = seq.request.sampling_params
         # Room: the step's budget, max_model_len and max_tokens (a draft past the last token is never needed).
@@ -196,7 +197,8 @@ class Scheduler:
             self.drafter.active(len(self.running)) or any(s.spec_token_ids for s in self.running)
         ):
             # NOTE: drafts are proposed from known tokens and a verification's count of new tokens is unknown until
-            # it returns, so a batch small enough to speculate is scheduled step by step (docs/spec_decode.md).
+            # it returns, so a batch small enough to speculate is scheduled step by step
+            # (docs/architecture.md, "Speculative decoding").
             return None
         self.running.sort(key=self._key)
         budget = self.config.max_num_batched_tokens
