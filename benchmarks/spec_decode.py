@@ -109,6 +109,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--skip-random", action="store_true")
+    ap.add_argument("--random-arms", default="off,on,on,off", help="order of the random workload's runs")
     args = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
     arms = {"off": make_llm(args, None), "on": make_llm(args, spec)}
@@ -142,9 +143,10 @@ def main() -> None:
     for kind, values in STEP_MS.items():
         result[f"on_{kind}_step_ms"] = sum(values) / len(values) if values else None
         result[f"on_{kind}_steps"] = len(values)
+    print(json.dumps(result, indent=1), flush=True)
     if not args.skip_random:
-        tok_s = {}
-        for arm in ("off", "on", "on", "off"):
+        tok_s: dict[str, list[float]] = {}
+        for arm in args.random_arms.split(","):
             tok_s.setdefault(arm, []).append(random_workload(arms[arm], args))
             print(f"random workload, {arm}: {tok_s[arm][-1]:.1f} tok/s", flush=True)
         result["random_tok_s_off"] = tok_s["off"]
