@@ -123,7 +123,10 @@ class EngineCore:
         for seq in request.seqs:
             if seq.index == index and not seq.is_finished:
                 self.scheduler.finish_seq(seq, reason, stop_reason)
-                return [SeqOutput(request_id, index, [], finish_reason=reason, stop_reason=stop_reason)]
+                t = request.timings
+                out = SeqOutput(request_id, index, [], finish_reason=reason, stop_reason=stop_reason)
+                out.num_draft_tokens, out.num_accepted_tokens = t.num_draft_tokens, t.num_accepted_tokens
+                return [out]
         return []
 
     def stats(self) -> EngineStats:
@@ -219,6 +222,9 @@ class EngineCore:
                 rows = list(range(upd.row, upd.row + len(upd.new_token_ids)))  # one row per token (drafts too)
                 out.new_logprobs = tensor_rows(result.logprobs, rows, k)
             out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+            if seq.finish_reason is not None:
+                timings = seq.request.timings
+                out.num_draft_tokens, out.num_accepted_tokens = timings.num_draft_tokens, timings.num_accepted_tokens
             if upd.error:
                 out.error = upd.error
                 failed.append(seq.request)

@@ -62,14 +62,25 @@ def generate(core: EngineCore, params: list[SamplingParams], prompts: list[list[
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=False)):
         core.add_request(Request(f"r{i}", prompt, p))
     got: dict[tuple[str, int], tuple[list[int], list[float], FinishReason | None]] = {}
+    drafts: dict[str, tuple[int, int]] = {}  # request -> (draft, accepted) its last output reported
     while core.has_unfinished:
         for o in core.step():
+            if o.finish_reason is not None:
+                drafts[o.request_id] = max(
+                    drafts.get(o.request_id, (0, 0)), (o.num_draft_tokens, o.num_accepted_tokens)
+                )
             tokens, lps, _ = got.get((o.request_id, o.index), ([], [], None))
             tokens += o.new_token_ids
             lps += [lp.logprobs[0] for lp in o.new_logprobs or []]
             got[(o.request_id, o.index)] = (tokens, lps, o.finish_reason)
     pool = core.scheduler.kv.pool
     assert pool.num_free == pool.num_blocks, "every block is back in the pool once the engine is idle"
+    if core.scheduler.drafter is not None:
+        # Each request's final output reports its own drafts (the `request finished` line's fields); they add up
+        # (every test runs one `generate` per core).
+        stats = core.scheduler.drafter.stats
+        totals = [sum(d for d, _ in drafts.values()), sum(a for _, a in drafts.values())]
+        assert totals == [stats.num_draft_tokens, stats.num_accepted_tokens]
     return got
 
 

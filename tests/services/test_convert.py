@@ -85,6 +85,8 @@ def test_seq_output_round_trip() -> None:
     assert seq_output_from_proto("r", seq_output_to_proto(out)) == out  # float32-exact values
     out = SeqOutput("r", 0, [2], finish_reason=FinishReason.STOP_TOKEN, stop_reason=7)
     assert seq_output_from_proto("r", seq_output_to_proto(out)) == out
+    out = SeqOutput("r", 0, [2, 3, 4], finish_reason=FinishReason.LENGTH, num_draft_tokens=12, num_accepted_tokens=7)
+    assert seq_output_from_proto("r", seq_output_to_proto(out)) == out
 
 
 def test_trace_context_from_metadata() -> None:
