@@ -19,7 +19,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # longest n-gram matched (ngram)
     prompt_lookup_min: int = 2  # shortest n-gram matched (ngram)
     # NOTE: vLLM's key; a decode step of more rows than this proposes nothing: verifying drafts pays off where a step
-    # is bound by streaming the weights (few rows), not where it is already compute-bound (docs/decisions.md).
+    # is bound by streaming the weights (few rows), not where it is already compute-bound (docs/decisions.md,
+    # "Speculative decoding").
     disable_by_batch_size: int = 4
 
     def __post_init__(self) -> None:
