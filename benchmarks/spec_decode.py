@@ -46,6 +46,17 @@ GROUNDED = [
 ]
 
 
+class ArmView:
+    """One arm of the A/B: the engine with its drafter set (on) or None (off)."""
+
+    def __init__(self, llm: Any, drafter: Any) -> None:
+        self.llm, self.drafter = llm, drafter
+
+    def use(self) -> Any:
+        self.llm.core.scheduler.drafter = self.drafter
+        return self.llm
+
+
 def make_llm(args: argparse.Namespace, spec: dict[str, Any] | None) -> Any:
     from engine_core import LLM
 
@@ -112,22 +123,25 @@ def main() -> None:
     ap.add_argument("--random-arms", default="off,on,on,off", help="order of the random workload's runs")
     args = ap.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    arms = {"off": make_llm(args, None), "on": make_llm(args, spec)}
-    for llm in arms.values():
-        batch1(llm, "Hello", 8)  # warm-up
+    # NOTE: one engine, the drafter switched off and on between requests: the same weights and KV cache serve both
+    # arms (two engines' memory got the process killed on the shared machine).
+    llm = make_llm(args, spec)
+    drafter = llm.core.scheduler.drafter
+    arms = {"off": ArmView(llm, None), "on": ArmView(llm, drafter)}
+    batch1(arms["on"].use(), "Hello", 8)  # warm-up
     ms: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(args.rounds):
         for i, prompt in enumerate(GROUNDED):
             order = ["off", "on"] if (r + i) % 2 == 0 else ["on", "off"]
             got = {}
             for arm in order:
-                t, tokens = batch1(arms[arm], prompt, args.max_tokens)
+                t, tokens = batch1(arms[arm].use(), prompt, args.max_tokens)
                 ms[arm].append(t)
                 got[arm] = tokens
             assert got["on"] == got["off"], f"prompt {i}: outputs differ with speculation"
             print(f"round {r} prompt {i}: off {ms['off'][-1]:.2f} ms/token, on {ms['on'][-1]:.2f} ms/token "
                   f"({len(got['on'])} tokens)", flush=True)  # fmt: skip
-    stats = arms["on"].core.stats()
+    stats = llm.core.stats()
     drafts = stats.spec_decode_num_drafts
     result: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -147,7 +161,7 @@ def main() -> None:
     if not args.skip_random:
         tok_s: dict[str, list[float]] = {}
         for arm in args.random_arms.split(","):
-            tok_s.setdefault(arm, []).append(random_workload(arms[arm], args))
+            tok_s.setdefault(arm, []).append(random_workload(arms[arm].use(), args))
             print(f"random workload, {arm}: {tok_s[arm][-1]:.1f} tok/s", flush=True)
         result["random_tok_s_off"] = tok_s["off"]
         result["random_tok_s_on"] = tok_s["on"]
