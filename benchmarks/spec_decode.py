@@ -143,7 +143,6 @@ def main() -> None:
             print(f"round {r} prompt {i}: off {ms['off'][-1]:.2f} ms/token, on {ms['on'][-1]:.2f} ms/token "
                   f"({len(got['on'])} tokens)", flush=True)  # fmt: skip
     stats = drafter.stats  # NOTE: the drafter's own counters: core.stats() reads none while the off arm is set
-    drafts = stats.num_drafts
     result: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "host": platform.node(),
