@@ -64,6 +64,8 @@ def make_llm(args: argparse.Namespace, spec: dict[str, Any] | None) -> Any:
         args.model,
         kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=64,
+        # NOTE: each arm runs the same prompts: with the prefix cache the second arm's prefills would be hits.
+        enable_prefix_caching=False,
         speculative_config=spec,
         num_threads=args.threads,
     )
