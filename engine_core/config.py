@@ -10,6 +10,8 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from engine_core.spec_decode.config import SpeculativeConfig
+
 CACHE_ENV = "PAGODA_CACHE"
 DEFAULT_CACHE_DIR = "~/.cache/pagoda"
 
@@ -63,6 +65,11 @@ class EngineConfig:
     # NOTE: only executors that can run a step while the scheduler goes on (remote workers) use it; offline LLM runs
     # the model on the scheduler's own thread.
     async_scheduling: bool = _opt(True, "plan step N+1 while the workers run a short step N (remote workers)")
+    # NOTE: a dict (LLM) or JSON (flags) becomes the typed SpeculativeConfig in __post_init__, as vLLM's keys.
+    speculative_config: SpeculativeConfig | None = field(
+        default=None,
+        metadata={"help": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\''},
+    )
     # Model execution
     attention_backend: str | None = _opt(None, "cpu | torch | triton (default: by device)")
     enforce_eager: bool = _opt(False, "no CUDA graphs: decode steps launch every kernel (CUDA + triton backend only)")
@@ -70,6 +77,7 @@ class EngineConfig:
     cache_dir: str = field(default_factory=default_cache_dir, metadata={"help": f"${CACHE_ENV}"})
 
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.validate()
 
     def validate(self) -> None:

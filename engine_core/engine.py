@@ -25,6 +25,7 @@ from engine_core.core.request_limits import RequestLimits
 from engine_core.core.scheduler import Scheduler
 from engine_core.core.seq_output import SeqOutput, ending_outputs, tensor_rows
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
+from engine_core.spec_decode.stats import SpecDecodeStats
 from engine_core.stats import EngineStats
 
 log = structlog.get_logger(__name__)
@@ -122,7 +123,10 @@ class EngineCore:
         for seq in request.seqs:
             if seq.index == index and not seq.is_finished:
                 self.scheduler.finish_seq(seq, reason, stop_reason)
-                return [SeqOutput(request_id, index, [], finish_reason=reason, stop_reason=stop_reason)]
+                t = request.timings
+                out = SeqOutput(request_id, index, [], finish_reason=reason, stop_reason=stop_reason)
+                out.num_draft_tokens, out.num_accepted_tokens = t.num_draft_tokens, t.num_accepted_tokens
+                return [out]
         return []
 
     def stats(self) -> EngineStats:
@@ -130,6 +134,7 @@ class EngineCore:
         pool = sched.kv.pool
         # NOTE: one pass over the running batch (at most max_num_seqs) per snapshot: requests, not sequences.
         running_requests = len({s.request.request_id for s in sched.running})
+        spec = sched.drafter.stats if sched.drafter is not None else SpecDecodeStats()
         return EngineStats(
             running=len(sched.running),
             waiting=len(sched.waiting),
@@ -143,6 +148,10 @@ class EngineCore:
             prefix_cache_evictions=pool.num_evictions,
             running_requests=running_requests,
             waiting_requests=len(sched.requests) - running_requests,
+            spec_decode_num_drafts=spec.num_drafts,
+            spec_decode_num_draft_tokens=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
         )
 
     @property
@@ -210,8 +219,12 @@ class EngineCore:
             out.new_token_ids = upd.new_token_ids
             k = seq.request.sampling_params.logprobs
             if k is not None and result.logprobs is not None and not upd.error:
-                out.new_logprobs = tensor_rows(result.logprobs, [upd.row], k)
+                rows = list(range(upd.row, upd.row + len(upd.new_token_ids)))  # one row per token (drafts too)
+                out.new_logprobs = tensor_rows(result.logprobs, rows, k)
             out.finish_reason, out.stop_reason = seq.finish_reason, seq.stop_reason
+            if seq.finish_reason is not None:
+                timings = seq.request.timings
+                out.num_draft_tokens, out.num_accepted_tokens = timings.num_draft_tokens, timings.num_accepted_tokens
             if upd.error:
                 out.error = upd.error
                 failed.append(seq.request)

@@ -55,6 +55,9 @@ class SchedulerOutput:
     finished_seq_ids: list[int] = field(default_factory=list)
     # Copy-on-write of shared partial blocks (src, dst), applied before the forward pass.
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding (vLLM's name): seq_id -> draft tokens to verify after its last known token; each is
+    # counted in the sequence's num_scheduled_tokens (1 + len(drafts) query tokens).
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -84,7 +87,11 @@ class PromptLogprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    """What the worker returns: one sampled token per sequence that reached the end of its known tokens."""
+    """What the worker returns: one row per token sampled for a sequence that reached the end of its known tokens.
+
+    A sequence that verified drafts has consecutive rows (same seq_id): its accepted drafts, then the token the
+    target sampled itself (1 + accepted rows); every other sequence has one row.
+    """
 
     seq_ids: list[int] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)  # -1 where the row failed (see `errors`)

@@ -21,3 +21,9 @@ class EngineStats:
     prefix_cache_evictions: int = 0  # cached blocks reused for other content (their hash dropped)
     running_requests: int = 0  # requests with a choice running (vLLM's num_requests_running)
     waiting_requests: int = 0  # unfinished requests none of whose choices runs (vLLM's num_requests_waiting)
+    # Speculative decoding (vLLM's spec_decode_* counters): verification rows, drafts, accepted drafts, accepted per
+    # draft position.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()

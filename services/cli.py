@@ -15,8 +15,9 @@ import threading
 from typing import TextIO
 
 from engine_core.config import QUANTIZATIONS
+from engine_core.spec_decode.config import SpeculativeConfig
 from services.common import ports
-from services.common.engine_flags import field_default
+from services.common.engine_flags import field_default, json_config
 
 DEMO_PROMPT = "Write a haiku about a pagoda in the rain."
 
@@ -106,6 +107,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         extra_frontend_args=_tool_args(args),
     )
     config.with_replicas(args.replicas)
+    if args.speculative_config is not None:
+        config.extra_scheduler_args += ["--speculative-config", args.speculative_config.to_json()]
     cluster = LocalCluster(config)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -185,6 +188,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="torch threads per worker (default: the usable cores divided among the workers; the scheduler and "
         "frontend run one thread each and never spin)",
+    )
+    serve.add_argument(
+        "--speculative-config",
+        type=json_config(SpeculativeConfig.parse),
+        default=None,
+        help='speculative decoding as JSON (vLLM\'s keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
     serve.add_argument("--log-dir", default=None, help="write each service's log there instead of stderr")
     serve.add_argument(

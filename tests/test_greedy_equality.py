@@ -134,3 +134,17 @@ def test_logprobs_match_transformers(smollm2_dir: str, hf_model: torch.nn.Module
         assert len(out.prompt_logprobs) == len(ids)
         for p in range(1, len(ids)):
             assert abs(out.prompt_logprobs[p][ids[p]].logprob - float(ref[p - 1, ids[p]])) < 1e-4
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [2048, 24])
+def test_speculative_decoding(
+    smollm2_dir: str, prompt_ids: list[list[int]], reference: list[list[int]], max_num_batched_tokens: int
+) -> None:
+    """n-gram drafts verified several per step (every prompt's rows in one batch, then chunked prefill): the output
+    is transformers' token for token, and drafts were accepted (prompts like "1, 2, 3, 4, 5," repeat themselves)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 32}
+    llm = LLM(smollm2_dir, kv_cache_memory=0.5, speculative_config=spec, max_num_batched_tokens=max_num_batched_tokens)
+    assert_same(run(llm, prompt_ids), reference)
+    stats = llm.core.stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert stats.free_blocks == stats.total_blocks

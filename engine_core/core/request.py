@@ -57,6 +57,9 @@ class RequestTimings:
     first_token: float | None = None
     finished: float | None = None
     num_steps: int = 0  # steps that computed tokens for any of its choices
+    # Speculative decoding, over its choices: drafts verified, and how many of them were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     events: list[LifecycleEvent] = field(default_factory=list)
 
 
@@ -101,6 +104,9 @@ class Sequence:
     pending_fork: bool = False
     # Tokens that steps in flight will sample (not known yet): 1 while its step runs, 2 with a step scheduled ahead.
     num_pending: int = 0
+    # Draft tokens the step in flight verifies (speculative decoding): the scheduler counted them as computed, and
+    # `Scheduler.update` takes back those the worker rejected.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

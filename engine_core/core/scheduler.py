@@ -20,11 +20,12 @@ from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.core.request import FinishReason, LifecycleEvent, LifecycleKind, Request, Sequence, SequenceStatus
 from engine_core.core.request_limits import RequestLimits
 from engine_core.plan import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
+from engine_core.spec_decode.drafter import Drafter
 
 
 @dataclass
 class SequenceUpdate:
-    """What one step did to one sequence: the token it sampled (row = its row in ModelRunnerOutput)."""
+    """What one step did to one sequence: the tokens it sampled (rows `row`.. of ModelRunnerOutput, one per token)."""
 
     seq: Sequence
     new_token_ids: list[int]
@@ -52,6 +53,8 @@ class Scheduler:
             (lambda s: s.sort_key) if config.scheduling_policy == "priority" else (lambda s: s.sort_key[1:])
         )
         self._key = key
+        spec = config.speculative_config
+        self.drafter: Drafter | None = Drafter(spec) if spec is not None else None
 
     # ---- requests -------------------------------------------------------------------------------------------
     def check_request(self, n_prompt: int, n: int) -> None:
@@ -98,6 +101,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.num_pending = 0  # a step in flight may still sample it: `update` drops that
+        if self.drafter is not None:
+            self.drafter.forget(seq.seq_id)
         self.kv.free(seq)
         self._forget(seq)
         request = seq.request
@@ -132,6 +137,8 @@ class Scheduler:
                 self._fork(seq, out, scheduled, new_blocks)
             num_new = min(seq.target_tokens - seq.num_computed_tokens, budget)
             ids = self.kv.allocate(seq, num_new) if num_new > 0 else []
+            if ids is not None and num_new == 1 and self.drafter is not None:
+                num_new, ids = self._add_drafts(seq, budget, ids)
             if ids is None:
                 # NOTE: running is sorted, so the victim (lowest priority, then newest) is at or after index i.
                 victim = max(self.running, key=self._key)
@@ -150,6 +157,31 @@ class Scheduler:
 
         return self._build_output(out, scheduled, new_blocks)
 
+    def _add_drafts(self, seq: Sequence, budget: int, ids: list[int]) -> tuple[int, list[int]]:
+        """Speculative decoding: a decode row that gets drafts verifies them in the same step (1 + k tokens).
+
+        NOTE: drafts only where the pool has room for them as they are: they never preempt anybody.
+        """
+        assert self.drafter is not None
+        seq.spec_token_ids = []
+        samples = not seq.pending_fork and seq.num_computed_tokens + 1 == seq.num_tokens  # this step samples it
+        if seq.num_pending or not samples or not self.drafter.active(len(self.running)):
+            return 1, ids
+        params = seq.request.sampling_params
+        # Room: the step's budget, max_model_len and max_tokens (a draft past the last token is never needed).
+        room = min(budget, self.max_model_len - seq.num_tokens) - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+        drafts = self.drafter.propose(seq.seq_id, seq.token_ids, params, room)
+        if not drafts:
+            return 1, ids
+        # `ids` already hold the decode token's slot; `more` are the blocks the drafts add beyond it.
+        more = self.kv.allocate(seq, 1 + len(drafts))
+        if more is None:
+            return 1, ids
+        seq.spec_token_ids = drafts
+        return 1 + len(drafts), ids + more
+
     def schedule_ahead(self) -> SchedulerOutput | None:
         """The next step's plan while one step is in flight, or None when it needs that step's results first.
 
@@ -160,6 +192,13 @@ class Scheduler:
         have to recompute a token nobody knows yet.
         """
         if any(s.pending_fork for s in self.running):
+            return None
+        if self.drafter is not None and (
+            self.drafter.active(len(self.running)) or any(s.spec_token_ids for s in self.running)
+        ):
+            # NOTE: drafts are proposed from known tokens and a verification's count of new tokens is unknown until
+            # it returns, so a batch small enough to speculate is scheduled step by step
+            # (docs/architecture.md, "Speculative decoding").
             return None
         self.running.sort(key=self._key)
         budget = self.config.max_num_batched_tokens
@@ -275,6 +314,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_pending = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.request.timings.events.append(
@@ -314,8 +354,10 @@ class Scheduler:
                     )
                 )
             out.num_scheduled_tokens[seq.seq_id] = n
+            if seq.spec_token_ids:
+                out.scheduled_spec_decode_tokens[seq.seq_id] = seq.spec_token_ids
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens + seq.num_pending:
+            if seq.num_computed_tokens >= seq.num_tokens + seq.num_pending:  # NOTE: >= : drafts count as computed
                 seq.num_pending += 1  # this step reaches the end of its tokens, so the worker samples it
             self.kv.cache_computed_blocks(seq)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
@@ -326,26 +368,53 @@ class Scheduler:
         """Appends sampled tokens, applies stop tokens and length limits, frees finished sequences."""
         updates = []
         now = time.monotonic()
-        for row, (seq_id, token) in enumerate(zip(runner_out.seq_ids, runner_out.sampled_token_ids, strict=True)):
+        seq_ids, sampled = runner_out.seq_ids, runner_out.sampled_token_ids
+        if len(seq_ids) != len(sampled):
+            raise ValueError(f"{len(seq_ids)} seq_ids but {len(sampled)} sampled tokens")
+        row = 0
+        while row < len(seq_ids):
+            seq_id, end = seq_ids[row], row + 1
+            while end < len(seq_ids) and seq_ids[end] == seq_id:
+                end += 1  # a verified sequence's accepted drafts and its own token
+            first, row = row, end
             seq = self.seqs.get(seq_id)
             if seq is None or seq.is_finished or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted while the step ran, or stopped in the step before
             seq.num_pending -= 1
+            if seq.spec_token_ids:
+                self._settle_drafts(seq, end - first - 1)
             error = runner_out.errors.get(seq_id)
             if error is not None:
                 # NOTE: this sequence alone ends (its blocks freed, the worker told to forget it); the step's other
                 # rows go on. Its request's other choices are ended by the engine (EngineCore.process).
-                updates.append(SequenceUpdate(seq, [], row, error))
+                updates.append(SequenceUpdate(seq, [], first, error))
                 self.finish_seq(seq, FinishReason.ERROR)
                 continue
-            seq.token_ids.append(token)
             if seq.request.timings.first_token is None:
                 seq.request.timings.first_token = now
-            reason, stop_reason = self._check_stop(seq, token)
-            updates.append(SequenceUpdate(seq, [token], row))
-            if reason is not None:
-                self.finish_seq(seq, reason, stop_reason)
+            new_tokens: list[int] = []
+            for token in sampled[first:end]:
+                seq.token_ids.append(token)
+                new_tokens.append(token)
+                reason, stop_reason = self._check_stop(seq, token)
+                if reason is not None:
+                    # NOTE: a stop inside an accepted run truncates it: the tokens after it are dropped.
+                    self.finish_seq(seq, reason, stop_reason)
+                    break
+            updates.append(SequenceUpdate(seq, new_tokens, first))
         return updates
+
+    def _settle_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """A verification came back: the rejected drafts' positions are no longer computed (their KV slots are
+        written again by the next step), and the drafter learns how it did."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids, []
+        num_accepted = max(0, min(num_accepted, len(drafts)))
+        seq.num_computed_tokens -= len(drafts) - num_accepted
+        timings = seq.request.timings
+        timings.num_draft_tokens += len(drafts)
+        timings.num_accepted_tokens += num_accepted
+        assert self.drafter is not None
+        self.drafter.record(seq.seq_id, len(drafts), num_accepted)
 
     def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, int | None]:
         params = seq.request.sampling_params

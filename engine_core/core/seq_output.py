@@ -29,6 +29,9 @@ class SeqOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str = ""  # with finish_reason ERROR: why this choice (and so its request) failed
+    # Speculative decoding: the request's draft tokens verified and accepted so far (set on a choice's last output).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 def tensor_rows(tensors: LogprobsTensors, rows: list[int] | slice, k: int) -> list[TokenLogprobs]:

@@ -134,6 +134,8 @@ class OutputProcessor:
             if update is None:
                 update = touched[out.request_id] = RequestUpdate(state.output, [])
             state.output.num_cached_tokens = max(state.output.num_cached_tokens, out.num_cached_tokens)
+            state.output.num_draft_tokens = max(state.output.num_draft_tokens, out.num_draft_tokens)
+            state.output.num_accepted_tokens = max(state.output.num_accepted_tokens, out.num_accepted_tokens)
             if out.prompt_logprobs is not None and state.output.prompt_logprobs is not None:
                 state.output.prompt_logprobs.extend(self._positions(out.prompt_logprobs))
             choice = state.choices[out.index]

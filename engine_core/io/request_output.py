@@ -59,4 +59,7 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # position 0 has none (nothing predicts it)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache
+    # Speculative decoding (Pagoda's): draft tokens verified for this request, and how many were accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     metrics: RequestMetrics | None = None

@@ -215,6 +215,14 @@ class SamplingBatch:
         for processor in meta.processors:
             processor.record(token_ids, host_token_ids)
 
+    def rewind_seeded(self, seq_id: int, steps: int) -> None:
+        """Takes back a seeded sequence's last `steps` draws (speculative decoding: positions after a rejected draft
+        were sampled but are not its outputs), so its step stays its number of outputs."""
+        slot = self._slots.get(seq_id)
+        info = None if slot is None else self._info[slot]
+        if info is not None and info.seeded is not None:
+            info.seeded.step -= steps
+
     def _build(self, seq_ids: Sequence[int]) -> SamplingMetadata:
         infos: list[_SlotInfo] = []
         for seq_id in seq_ids:

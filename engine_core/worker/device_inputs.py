@@ -35,7 +35,7 @@ def step_input_specs(max_tokens: int, max_seqs: int, max_blocks_per_seq: int) ->
         InputSpec("input_ids", i64, (max_tokens,)),
         InputSpec("positions", i64, (max_tokens,)),
         InputSpec("slot_mapping", i64, (max_tokens,)),
-        InputSpec("sample_index", i64, (max_seqs,)),
+        InputSpec("sample_index", i64, (max_tokens,)),  # NOTE: tokens: a verified row samples 1 + k positions
         InputSpec("decode_seq_lens", i32, (max_seqs,)),
         InputSpec("decode_block_tables", i32, (max_seqs, max_blocks_per_seq)),
         InputSpec("prefill_query_start_loc", i32, (max_seqs + 1,)),

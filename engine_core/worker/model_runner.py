@@ -29,7 +29,7 @@ from engine_core.model.layers.selector import select_linear_method
 from engine_core.model.llama import model_class
 from engine_core.model.loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
 from engine_core.model.native_decode import NativeDecodeStep
-from engine_core.plan import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from engine_core.plan import LogprobsTensors, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from engine_core.sample.sampler import FAILED_TOKEN, Sampler, compute_logprobs
 from engine_core.sample.sampling_batch import SamplingBatch
 from engine_core.step_timings import StepTimings
@@ -40,8 +40,9 @@ from engine_core.worker.host_memory import zeroed_host_tensor
 from engine_core.worker.input_batch import InputBatch, StepInputs
 from engine_core.worker.kv_prefault import KvPrefaulter
 from engine_core.worker.mixed_graphs import CudaGraphMixedStep, token_buckets
+from engine_core.worker.spec_verify import Verification, advance_verified, write_drafts
 from engine_core.worker.step_functions import StepFunction, pick_step_function
-from engine_core.worker.step_sampling import batch_metadata, sample_step
+from engine_core.worker.step_sampling import StepSample, batch_metadata, sample_step
 from kernels import cpu as cpu_kernels
 from kernels.triton_mode import configure_triton_interpret
 
@@ -294,9 +295,17 @@ class ModelRunner:
         if plan.is_empty:
             return ModelRunnerOutput()
         seq_ids = list(plan.num_scheduled_tokens)
+        drafts = plan.scheduled_spec_decode_tokens
+        if drafts:
+            write_drafts(self.batch, drafts)
         inputs = self.batch.prepare(seq_ids, list(plan.num_scheduled_tokens.values()))
         sample_idx = np.flatnonzero(inputs.sample_mask)
         sample_seq_ids = [inputs.seq_ids[i] for i in sample_idx]
+        logit_index = inputs.query_start_loc[1:][sample_idx] - 1
+        # Speculative decoding: a verified row samples each of its 1 + k positions (spec_verify.py).
+        verify = Verification.plan(inputs, sample_idx, sample_seq_ids, drafts) if drafts else None
+        if verify is not None:
+            logit_index, sample_seq_ids = verify.logit_index, verify.row_seq_ids
         # NOTE: every host-to-device copy of the step is queued before the forward (non-blocking from pinned buffers
         # on CUDA), and so is the sampling metadata: nothing after the forward makes the host wait for it, until the
         # sampled tokens come back.
@@ -305,7 +314,7 @@ class ModelRunner:
         meta = self._attention_metadata(inputs)
         input_ids = self._to_device("input_ids", inputs.input_ids)
         positions = self._to_device("positions", inputs.positions)
-        last_token = self._to_device("sample_index", inputs.query_start_loc[1:][sample_idx] - 1)
+        last_token = self._to_device("sample_index", logit_index)
         if self._staging is not None:
             self._staging.end()
         sampling_meta = batch_metadata(self.sampling, sample_seq_ids) if len(sample_idx) else None
@@ -324,11 +333,38 @@ class ModelRunner:
         # NOTE: a failed row's sequence ends, but a step planned ahead may still feed its token back: keep it a
         # valid id in the batch.
         tokens = sampled.tokens
+        out.errors = sampled.errors
+        if verify is not None:
+            return self._emit_verified(out, verify, inputs, sample_idx, sampled)
         self.batch.advance(inputs, inputs.rows[sample_idx], np.where(tokens == FAILED_TOKEN, 0, tokens))
         out.seq_ids = sample_seq_ids
         out.sampled_token_ids = tokens.tolist()
         out.logprobs = sampled.logprobs
-        out.errors = sampled.errors
+        return out
+
+    def _emit_verified(
+        self,
+        out: ModelRunnerOutput,
+        verify: Verification,
+        inputs: StepInputs,
+        sample_idx: np.ndarray,
+        sampled: StepSample,
+    ) -> ModelRunnerOutput:
+        """A step with drafts: each verified row emits its accepted drafts and the target's own token."""
+        keep, accepted = verify.accept(sampled.tokens)
+        tokens = sampled.tokens[keep]
+        advance_verified(
+            self.batch, inputs, sample_idx, np.where(tokens == FAILED_TOKEN, 0, tokens), accepted, verify.drafts
+        )
+        for seq_id, row_drafts, a in zip(verify.seq_ids, verify.drafts, accepted, strict=True):
+            if len(row_drafts) > a:
+                self.sampling.rewind_seeded(seq_id, len(row_drafts) - a)
+        out.seq_ids = [verify.row_seq_ids[i] for i in keep.tolist()]
+        out.sampled_token_ids = tokens.tolist()
+        lp = sampled.logprobs
+        if lp is not None:
+            index = torch.from_numpy(keep).to(lp.token_ids.device)
+            out.logprobs = LogprobsTensors(lp.token_ids[index], lp.logprobs[index], lp.ranks[index])
         return out
 
     def _forget(self, seq_id: int) -> None:

@@ -26,7 +26,7 @@ WORKER_FIELDS = (
 # What shapes continuous batching (the worker's --max-num-seqs must be at least the scheduler's).
 SCHEDULER_FIELDS = (
     "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "async_scheduling", "enable_prefix_caching",
-    "num_kv_blocks",
+    "num_kv_blocks", "speculative_config",
 )  # fmt: skip
 
 _FIELDS: dict[str, Field[Any]] = {f.name: f for f in fields(EngineConfig)}
@@ -38,9 +38,24 @@ def _parser_type(name: str) -> Callable[[str], Any]:
     args = typing.get_args(hint)
     optional = isinstance(hint, types.UnionType) and type(None) in args
     base = next(a for a in args if a is not type(None)) if optional else hint
+    parse = getattr(base, "parse", None)
+    if parse is not None:
+        return json_config(parse)  # a typed config given as JSON (speculative_config)
     if optional:
         return {int: optional_int, float: optional_float, str: optional_str}[base]
     return base
+
+
+def json_config(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type for a typed config given as JSON: its ValueError becomes the flag's error message."""
+
+    def parse_flag(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse_flag
 
 
 def field_default(name: str) -> Any:

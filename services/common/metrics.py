@@ -135,3 +135,16 @@ class EngineStatsCollector(Collector):
                       s.preemptions)  # fmt: skip
         yield counter("prefix_cache_evictions", "Cached KV blocks evicted from the prefix cache to hold other tokens.",
                       s.prefix_cache_evictions)  # fmt: skip
+        # Speculative decoding, vLLM's names: acceptance rate = accepted / draft tokens.
+        yield counter("spec_decode_num_drafts", "Verification rows (a sequence's drafts verified in one step).",
+                      s.spec_decode_num_drafts)  # fmt: skip
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", s.spec_decode_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_decode_num_accepted_tokens)
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0 = the first draft).",
+            labels=[MODEL_LABEL, "position"],
+        )
+        for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([*labels, str(position)], value)
+        yield per_pos

@@ -52,6 +52,8 @@ def seq_output_to_proto(out: SeqOutput) -> scheduler_pb2.SeqOutput:
         finish_reason=reason_to_proto(out.finish_reason),
         num_cached_tokens=out.num_cached_tokens,
         prompt_logprobs_start=out.prompt_logprobs_start,
+        num_draft_tokens=out.num_draft_tokens,
+        num_accepted_tokens=out.num_accepted_tokens,
     )
     if out.new_logprobs is not None:
         msg.has_new_logprobs = True
@@ -74,4 +76,6 @@ def seq_output_from_proto(request_id: str, msg: scheduler_pb2.SeqOutput) -> SeqO
         finish_reason=reason_from_proto(msg.finish_reason),
         stop_reason=stop_from_proto(msg.stop_reason),
         num_cached_tokens=msg.num_cached_tokens,
+        num_draft_tokens=msg.num_draft_tokens,
+        num_accepted_tokens=msg.num_accepted_tokens,
     )

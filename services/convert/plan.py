@@ -26,6 +26,8 @@ def plan_to_proto(plan: SchedulerOutput, *, epoch: str, step: int) -> worker_pb2
         copy_src=[s for s, _ in plan.copy_blocks],
         copy_dst=[d for _, d in plan.copy_blocks],
     )
+    for seq_id, drafts in plan.scheduled_spec_decode_tokens.items():
+        msg.spec_decode_tokens.add(seq_id=seq_id, token_ids=drafts)
     for new in plan.new_seqs:
         seq = msg.new_seqs.add(
             seq_id=new.seq_id,
@@ -69,6 +71,7 @@ def plan_from_proto(msg: worker_pb2.ExecuteRequest) -> SchedulerOutput:
         num_scheduled_tokens=dict(zip(msg.scheduled_seq_ids, msg.num_scheduled_tokens, strict=True)),
         finished_seq_ids=list(msg.finished_seq_ids),
         copy_blocks=list(zip(msg.copy_src, msg.copy_dst, strict=True)),
+        scheduled_spec_decode_tokens={d.seq_id: list(d.token_ids) for d in msg.spec_decode_tokens},
     )
     plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
     return plan

@@ -335,6 +335,7 @@ class RequestPipeline:
             ttft_s=round(t.ttft_s, 4),
             e2e_s=round(t.e2e_s, 4),
             error=final.error or None,
+            **spec_decode_fields(final.output),
         )
 
     @staticmethod
@@ -365,3 +366,14 @@ class RequestPipeline:
             return await self.client.abort(request_id, tenant)
         except grpc.aio.AioRpcError as e:
             raise rpc_error(e) from e
+
+
+def spec_decode_fields(output: RequestOutput) -> dict[str, int | float]:
+    """The `request finished` line's speculative-decoding fields; none when the request verified no drafts."""
+    if not output.num_draft_tokens:
+        return {}
+    return {
+        "spec_draft_tokens": output.num_draft_tokens,
+        "spec_accepted_tokens": output.num_accepted_tokens,
+        "spec_acceptance": round(output.num_accepted_tokens / output.num_draft_tokens, 3),
+    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from engine_core.spec_decode.config import SpeculativeConfig
 from services.common import ports
 from services.common.engine_flags import SCHEDULER_FIELDS, add_engine_flags, engine_config_from_args
 from services.common.flags import add_flag
@@ -24,6 +25,7 @@ class SchedulerConfig:
     async_scheduling: bool
     enable_prefix_caching: bool
     num_kv_blocks: int | None
+    speculative_config: SpeculativeConfig | None  # the scheduler proposes the drafts (it owns the tokens)
     max_waiting_requests: int  # beyond this, Submit answers RESOURCE_EXHAUSTED
     worker_timeout: float  # seconds to wait for the workers at start (and after a worker failure)
     step_timeout: float  # base seconds one Execute may take before the worker counts as failed (hung or dead)
@@ -86,6 +88,7 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
         async_scheduling=a.async_scheduling,
         enable_prefix_caching=a.enable_prefix_caching,
         num_kv_blocks=a.num_kv_blocks,
+        speculative_config=a.speculative_config,
         max_waiting_requests=a.max_waiting_requests,
         worker_timeout=a.worker_timeout,
         step_timeout=a.step_timeout,

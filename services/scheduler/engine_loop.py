@@ -190,6 +190,7 @@ class EngineLoop:
             async_scheduling=self.config.async_scheduling,
             enable_prefix_caching=self.config.enable_prefix_caching,
             num_kv_blocks=num_blocks,
+            speculative_config=self.config.speculative_config,
         )
         core = EngineCore(engine_config, self.executor, info.max_model_len, num_blocks)
         if self._kv_events is not None:

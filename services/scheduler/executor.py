@@ -71,8 +71,10 @@ class RemoteStep:
         self._span = span
         self.own_s = own_s  # its deadline without the wait for a step ahead of it
         self.done = False
+        self.num_drafts = 0  # draft tokens it verifies (its span reports how many were accepted)
 
     def result(self) -> ModelRunnerOutput:
+        resp = None
         try:
             for f in self._futures[1:]:
                 f.result()
@@ -80,6 +82,10 @@ class RemoteStep:
         finally:
             self.done = True
             if self._span is not None:
+                if self.num_drafts and resp is not None:
+                    # A verified sequence's rows beyond its first are its accepted drafts.
+                    accepted = len(resp.seq_ids) - len(set(resp.seq_ids))
+                    self._span.set_attribute("pagoda.step.num_accepted_tokens", accepted)
                 self._span.end()
         self._executor.last_worker_s = resp.execute_s
         return result_from_proto(resp)
@@ -163,6 +169,7 @@ class RemoteExecutor:
                 span.end()
             raise
         self._last = RemoteStep(self, futures, span, own_s)
+        self._last.num_drafts = sum(len(d) for d in plan.scheduled_spec_decode_tokens.values())
         return self._last
 
     def heartbeat(self, timeout: float) -> str | None:

@@ -290,6 +290,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             worker_seconds=s.worker_seconds,
             running_requests=e.running_requests,
             waiting_requests=e.waiting_requests,
+            spec_decode_num_drafts=e.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=e.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=e.spec_decode_num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(e.spec_decode_num_accepted_tokens_per_pos),
         )
 
     async def WatchKvEvents(

@@ -62,6 +62,9 @@ def record_request(tracer: trace.Tracer, span: Span, request: Request) -> None:
         "pagoda.request.num_steps": t.num_steps,
         "gen_ai.latency.e2e": end - t.arrival,
     }
+    if t.num_draft_tokens:
+        attrs["pagoda.spec_decode.num_draft_tokens"] = t.num_draft_tokens
+        attrs["pagoda.spec_decode.num_accepted_tokens"] = t.num_accepted_tokens
     if scheduled is not None:
         attrs["gen_ai.latency.time_in_queue"] = scheduled - t.arrival
     if t.first_token is not None:
@@ -128,8 +131,9 @@ class StepTracer:
         links: list[Link] = []
         seen: set[str] = set()
         num_decode = 0
+        drafts = plan.scheduled_spec_decode_tokens
         for seq_id, n in plan.num_scheduled_tokens.items():
-            num_decode += n == 1
+            num_decode += n == 1 + len(drafts.get(seq_id, ()))  # a verification row is a decode row
             entry = self._sampled.get(seq_id)
             if entry is None or entry[0] in seen or len(links) >= MAX_STEP_LINKS:
                 continue
@@ -139,6 +143,7 @@ class StepTracer:
             return None
         self._take()
         batch = len(plan.num_scheduled_tokens)
+        num_drafts = sum(len(d) for d in drafts.values())
         # NOTE: decode rows schedule one token; a one-token prefill chunk would count as decode (rare, harmless).
         attrs = {
             "pagoda.step.index": step,
@@ -146,9 +151,11 @@ class StepTracer:
             "pagoda.step.num_scheduled_tokens": plan.total_num_scheduled_tokens,
             "pagoda.step.num_decode_seqs": num_decode,
             "pagoda.step.num_prefill_seqs": batch - num_decode,
-            "pagoda.step.num_prefill_tokens": plan.total_num_scheduled_tokens - num_decode,
+            "pagoda.step.num_prefill_tokens": plan.total_num_scheduled_tokens - num_decode - num_drafts,
             "pagoda.step.num_new_seqs": len(plan.new_seqs),
             "pagoda.step.num_linked_requests": len(links),
         }
+        if drafts:
+            attrs["pagoda.step.num_draft_tokens"] = num_drafts
         parent = trace.set_span_in_context(trace.NonRecordingSpan(links[0].context))
         return self.tracer.start_span("step", context=parent, kind=SpanKind.CLIENT, links=links, attributes=attrs)

@@ -58,10 +58,11 @@ def test_plan_and_result_round_trip() -> None:
     plan = SchedulerOutput(
         new_seqs=[NewSequenceData(3, [1, 2, 3], 3, params, None, [0, 1], 0, "r", TRACEPARENT, "k=v")],
         cached_seqs=[CachedSequenceData(1, [5], 17)],
-        num_scheduled_tokens={3: 3, 1: 1},
-        total_num_scheduled_tokens=4,
+        num_scheduled_tokens={3: 3, 1: 3},
+        total_num_scheduled_tokens=6,
         finished_seq_ids=[0],
         copy_blocks=[(2, 6)],
+        scheduled_spec_decode_tokens={1: [7, 8]},  # drafts are verified in one forward (speculative decoding)
     )
     msg = plan_to_proto(plan, epoch="e", step=4)
     assert msg.new_seqs[0].trace.traceparent == TRACEPARENT and msg.new_seqs[0].request_id == "r"
@@ -83,6 +84,8 @@ def test_seq_output_round_trip() -> None:
     out = SeqOutput("r", 1, [5], [TokenLogprobs([5, 6], [-0.5, -1.5], 1)], None, 0, FinishReason.STOP_STRING, "\n", 16)
     assert seq_output_from_proto("r", seq_output_to_proto(out)) == out  # float32-exact values
     out = SeqOutput("r", 0, [2], finish_reason=FinishReason.STOP_TOKEN, stop_reason=7)
+    assert seq_output_from_proto("r", seq_output_to_proto(out)) == out
+    out = SeqOutput("r", 0, [2, 3, 4], finish_reason=FinishReason.LENGTH, num_draft_tokens=12, num_accepted_tokens=7)
     assert seq_output_from_proto("r", seq_output_to_proto(out)) == out
 
 

@@ -65,7 +65,8 @@ def test_engine_stats_collector_exports_the_snapshot_or_nothing() -> None:
     assert samples(registry) == {}  # no snapshot: no made-up zeros
     latest[0] = scheduler_pb2.StatsResponse(
         running_requests=2, waiting_requests=3, kv_usage=0.25, prefix_cache_queries=64, prefix_cache_hits=16,
-        preemptions=4, prefix_cache_evictions=5,
+        preemptions=4, prefix_cache_evictions=5, spec_decode_num_drafts=6, spec_decode_num_draft_tokens=20,
+        spec_decode_num_accepted_tokens=9, spec_decode_num_accepted_tokens_per_pos=[5, 3, 1, 0],
     )  # fmt: skip
     s = samples(registry)
     model = (("model_name", MODEL),)
@@ -76,6 +77,13 @@ def test_engine_stats_collector_exports_the_snapshot_or_nothing() -> None:
     assert s[("pagoda:prefix_cache_hits_total", model)] == 16
     assert s[("pagoda:num_preemptions_total", model)] == 4
     assert s[("pagoda:prefix_cache_evictions_total", model)] == 5
+    assert s[("pagoda:spec_decode_num_drafts_total", model)] == 6
+    assert s[("pagoda:spec_decode_num_draft_tokens_total", model)] == 20
+    assert s[("pagoda:spec_decode_num_accepted_tokens_total", model)] == 9
+    per_pos = {
+        p: s[("pagoda:spec_decode_num_accepted_tokens_per_pos_total", (*model, ("position", p)))] for p in "0123"
+    }
+    assert per_pos == {"0": 5, "1": 3, "2": 1, "3": 0}
 
 
 def test_every_service_registry_has_the_process_collectors() -> None:

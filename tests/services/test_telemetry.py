@@ -15,6 +15,7 @@ from opentelemetry.trace import SpanKind
 
 from engine_core.core.request import Request
 from engine_core.io.request_output import CompletionOutput, RequestOutput
+from engine_core.plan import SchedulerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.step_timings import StepTimings
 from services.common.telemetry import (
@@ -215,6 +216,23 @@ def test_step_span_links_requests_and_parents_on_the_first(memory: tuple[trace.T
     assert span is not None
     span.end()
     assert {link.context.span_id for link in exporter.get_finished_spans()[-1].links} == linked
+
+
+def test_step_span_counts_verification_rows_as_decodes(memory: tuple[trace.Tracer, InMemorySpanExporter]) -> None:
+    tracer, exporter = memory
+    h = Harness(make_scheduler())
+    h.add(_traced_request(tracer, "a")[0])
+    steps = StepTracer(tracer, max_per_second=1000)
+    first = h.step()
+    steps.start(first, 0).end()  # type: ignore[union-attr]
+    (seq_id,) = first.num_scheduled_tokens
+    # A decode row verifying 3 drafts (speculative decoding): 4 query tokens, none of them prefill.
+    plan = SchedulerOutput(num_scheduled_tokens={seq_id: 4}, scheduled_spec_decode_tokens={seq_id: [1, 2, 3]})
+    plan.total_num_scheduled_tokens = 4
+    steps.start(plan, 1).end()  # type: ignore[union-attr]
+    a = exporter.get_finished_spans()[-1].attributes
+    assert (a["pagoda.step.num_decode_seqs"], a["pagoda.step.num_prefill_tokens"]) == (1, 0)
+    assert a["pagoda.step.num_draft_tokens"] == 3
 
 
 def test_step_spans_only_for_sampled_requests_and_rate_capped(

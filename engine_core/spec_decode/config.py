@@ -1,0 +1,66 @@
+"""SpeculativeConfig: vLLM's `speculative_config` keys, parsed into a typed, validated dataclass at start-up."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+# vLLM's methods; only those in IMPLEMENTED run here (the others fail at start-up, by name).
+METHODS = ("ngram", "suffix", "draft_model")
+IMPLEMENTED = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4  # longest n-gram matched (ngram)
+    prompt_lookup_min: int = 2  # shortest n-gram matched (ngram)
+    # NOTE: vLLM's key; a decode step of more rows than this proposes nothing: verifying drafts pays off where a step
+    # is bound by streaming the weights (few rows), not where it is already compute-bound (docs/decisions.md,
+    # "Speculative decoding").
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        def bad(key: str, why: str) -> ValueError:
+            return ValueError(f"speculative_config.{key} {why}")
+
+        if self.method not in METHODS:
+            raise bad("method", f"must be one of {METHODS}, got {self.method!r}")
+        if self.method not in IMPLEMENTED:
+            raise bad("method", f"{self.method!r} is not implemented yet (implemented: {IMPLEMENTED})")
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise bad(key, f"must be an integer >= 1, got {value!r}")
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise bad(
+                "num_speculative_tokens", f"must be <= {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise bad("prompt_lookup_min", f"({self.prompt_lookup_min}) must be <= prompt_lookup_max")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From what a user passes (LLM(speculative_config={...}), --speculative-config '<json>'); None: off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})

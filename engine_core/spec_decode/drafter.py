@@ -1,0 +1,80 @@
+"""The scheduler's side of speculative decoding: which sequences get drafts this step, and how many.
+
+The scheduler owns the tokens, so it proposes (n-gram lookup needs no model); the worker verifies the drafts in the
+step's forward and returns the tokens it accepted plus one of its own. Adaptive in two ways: a step with more
+running sequences than `disable_by_batch_size` proposes nothing, and a sequence whose drafts were all rejected backs
+off (skips 1, 3, 7, ... up to MAX_BACKOFF of its next chances) until a draft is accepted again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_core.sampling_params import SamplingParams
+from engine_core.spec_decode.config import SpeculativeConfig
+from engine_core.spec_decode.ngram import propose_ngram
+from engine_core.spec_decode.stats import SpecDecodeStats
+
+MAX_BACKOFF = 16
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether a request's drafts can be verified exactly by sampling every position from the target alone.
+
+    NOTE: the logits processors that read the output so far (penalties, bad_words, min_tokens) would have to see
+    the drafts before them at each position, and allowed_token_ids / logit_bias share their bound form with those;
+    a structured-output matcher would have to advance through the drafts and roll back the rejected ones. Such
+    requests decode one token per step (their output is unchanged either way).
+    """
+    return (
+        params.repetition_penalty == 1.0
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+        and not params.logit_bias
+        and not params.bad_words_token_ids
+        and not params.allowed_token_ids
+        and params.min_tokens == 0
+        and params.structured_outputs is None
+    )
+
+
+@dataclass
+class _Backoff:
+    misses: int = 0  # verification rows in a row that accepted nothing
+    skip: int = 0  # chances left to skip
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpecDecodeStats()
+        self._backoff: dict[int, _Backoff] = {}
+
+    def active(self, num_running: int) -> bool:
+        """Whether a step with `num_running` sequences proposes at all."""
+        return num_running <= self.config.disable_by_batch_size
+
+    def propose(self, seq_id: int, token_ids: list[int], params: SamplingParams, room: int) -> list[int]:
+        """Drafts for the position after `token_ids` (at most `room`, what max_tokens, max_model_len and the step's
+        token budget leave); [] when the sequence should decode one token."""
+        k = min(self.config.num_speculative_tokens, room)
+        if k < 1 or not can_speculate(params):
+            return []
+        backoff = self._backoff.get(seq_id)
+        if backoff is not None and backoff.skip > 0:
+            backoff.skip -= 1
+            return []
+        return propose_ngram(token_ids, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def record(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
+        """A verification row's result: `num_accepted` of `num_draft` drafts were accepted."""
+        self.stats.record(num_draft, num_accepted)
+        if num_accepted:
+            self._backoff.pop(seq_id, None)
+            return
+        backoff = self._backoff.setdefault(seq_id, _Backoff())
+        backoff.misses += 1
+        backoff.skip = min((1 << backoff.misses) - 1, MAX_BACKOFF)
+
+    def forget(self, seq_id: int) -> None:
+        self._backoff.pop(seq_id, None)
