@@ -241,3 +241,27 @@ def test_a_constraint_that_cannot_go_on_fails_its_request_alone(llm: LLM) -> Non
     assert "structured_outputs.regex is invalid" in finished["bad"].error
     assert finished["good"].finish_reason is FinishReason.LENGTH
     assert_idle(llm)
+
+
+def test_speculative_decoding_leaves_constrained_requests_unchanged(llm: LLM, tiny_vocab_dir: Path) -> None:
+    # NOTE: a constrained request decodes one token per step beside speculated neighbours (spec_decode/drafter.py):
+    # both kinds in one batch give what the engine gives without drafts.
+    spec = LLM(
+        str(tiny_vocab_dir),
+        kv_cache_memory=0.05,
+        max_model_len=512,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    )
+    so = StructuredOutputsParams(regex=r"(ab|cd){2,6}x")
+    prompts = ["Answer:", "one two one two one two one two"]
+    params = [
+        SamplingParams(structured_outputs=so, temperature=0.0, max_tokens=40),
+        SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=40),
+    ]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    assert re.fullmatch(r"(ab|cd){2,6}x", got[0].outputs[0].text)
+    drafter = spec.core.scheduler.drafter
+    assert drafter is not None and drafter.stats.num_drafts > 0  # the neighbour was speculated
+    assert_idle(spec)
