@@ -5,11 +5,22 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from engine_core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine_core.config import EngineConfig
 from engine_core.io.request_output import CompletionOutput, Logprob, RequestOutput
 from engine_core.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
+    "CompletionOutput",
+    "EngineConfig",
+    "Logprob",
+    "RequestOutput",
+    "SamplingParams",
+]
 
 
 def __getattr__(name: str) -> Any:

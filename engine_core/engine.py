@@ -20,10 +20,11 @@ from typing import Protocol
 import structlog
 
 from engine_core.config import EngineConfig
+from engine_core.core.beam_group import BeamGroup
 from engine_core.core.request import FinishReason, Request
 from engine_core.core.request_limits import RequestLimits
 from engine_core.core.scheduler import Scheduler
-from engine_core.core.seq_output import SeqOutput, ending_outputs, tensor_rows
+from engine_core.core.seq_output import SeqOutput, beam_outputs, ending_outputs, tensor_rows
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.stats import EngineStats
 
@@ -99,9 +100,10 @@ class EngineCore:
         """Raises ValueError if such a request could never run here. Safe from any thread (frozen limits only)."""
         self.limits.check(n_prompt, n)
 
-    def add_request(self, request: Request) -> None:
-        """Queues a request; raises ValueError (and keeps nothing) if it could never run or its id is in use."""
-        self.scheduler.add_request(request)
+    def add_request(self, request: Request, beam: BeamGroup | None = None) -> None:
+        """Queues a request (a beam search with `beam`); raises ValueError (and keeps nothing) if it could never run
+        or its id is in use."""
+        self.scheduler.add_request(request, beam)
 
     def has_request(self, request_id: str) -> bool:
         """Whether the request is still in the engine (unfinished)."""
@@ -156,7 +158,7 @@ class EngineCore:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             plan = self.scheduler.schedule()
-            if plan.is_empty and not plan.finished_seq_ids and not plan.copy_blocks:
+            if plan.is_empty and not plan.finished_seq_ids and not plan.copy_blocks and not plan.beam_deltas:
                 return []
             if submit is None:
                 return self.process(plan, self.executor.execute(plan))
@@ -217,6 +219,10 @@ class EngineCore:
                 failed.append(seq.request)
             outputs[seq.seq_id] = out
         ended = list(outputs.values())
+        if self.scheduler.finished_beams:
+            for group in self.scheduler.finished_beams:
+                ended += beam_outputs(group)
+            self.scheduler.finished_beams = []
         for request in failed:
             # NOTE: a request fails as a whole: its other choices (never-forked ones included) end with ERROR too.
             for seq in request.seqs:

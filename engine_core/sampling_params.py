@@ -64,6 +64,9 @@ class SamplingParams:
     # token-id sequences (io/bad_words.py), which is the form the sampler uses.
     eos_token_id: int | None = field(default=None, repr=False)
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    # Filled by the engine for beam search (engine_core/beam_search.py): the top candidates per row the worker
+    # returns as logprobs, beyond the user's MAX_LOGPROBS.
+    num_beam_candidates: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_core.core.beam_group import BeamGroup
 from engine_core.core.request import FinishReason, Request
 from engine_core.plan import LogprobsTensors
 
@@ -29,6 +30,7 @@ class SeqOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str = ""  # with finish_reason ERROR: why this choice (and so its request) failed
+    cumulative_logprob: float | None = None  # beam search: the returned hypothesis' (its tokens come in one output)
 
 
 def tensor_rows(tensors: LogprobsTensors, rows: list[int] | slice, k: int) -> list[TokenLogprobs]:
@@ -37,6 +39,28 @@ def tensor_rows(tensors: LogprobsTensors, rows: list[int] | slice, k: int) -> li
     lps = tensors.logprobs[rows, : k + 1].tolist()
     ranks = tensors.ranks[rows].tolist()
     return [TokenLogprobs(i, lp, r) for i, lp, r in zip(ids, lps, ranks, strict=True)]
+
+
+def beam_outputs(group: BeamGroup) -> list[SeqOutput]:
+    """A finished beam search's result: one output per returned hypothesis, best first, all its tokens at once."""
+    assert group.request is not None
+    outputs = []
+    for index, hyp in enumerate(group.results()):
+        reason = FinishReason.STOP_TOKEN if hyp.stopped else FinishReason.LENGTH
+        eos = group.request.sampling_params.eos_token_id
+        stop_reason = hyp.output_token_ids[-1] if hyp.stopped and hyp.output_token_ids[-1] != eos else None
+        outputs.append(
+            SeqOutput(
+                group.request.request_id,
+                index,
+                hyp.output_token_ids,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+                num_cached_tokens=max(group.live[0].num_cached_tokens, 0),
+                cumulative_logprob=hyp.cum_logprob,
+            )
+        )
+    return outputs
 
 
 def ending_outputs(request: Request, reason: FinishReason) -> list[SeqOutput]:
