@@ -112,7 +112,11 @@ class EngineCore:
     def abort(self, request_id: str) -> list[SeqOutput]:
         """Ends every unfinished choice of a request; returns their ABORT outputs (empty if it is unknown)."""
         request = self.scheduler.abort_request(request_id)
-        return [] if request is None else ending_outputs(request, FinishReason.ABORT)
+        return [] if request is None else ending_outputs(request, FinishReason.ABORT, self._num_choices(request))
+
+    def _num_choices(self, request: Request) -> int:
+        group = self.scheduler.beam_groups.get(request.request_id)
+        return request.sampling_params.n if group is None else group.num_returned
 
     def finish_choice(
         self, request_id: str, index: int, reason: FinishReason, stop_reason: str | None
@@ -228,5 +232,6 @@ class EngineCore:
             for seq in request.seqs:
                 self.scheduler.finish_seq(seq, FinishReason.ERROR)
             reported = {o.index for o in ended if o.request_id == request.request_id}
-            ended += [o for o in ending_outputs(request, FinishReason.ERROR) if o.index not in reported]
+            choices = self._num_choices(request)
+            ended += [o for o in ending_outputs(request, FinishReason.ERROR, choices) if o.index not in reported]
         return ended

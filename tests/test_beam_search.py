@@ -113,3 +113,84 @@ def test_beams_equal_transformers_without_eos(tiny_dir: Path, hf_model: torch.nn
     for prompt, beams in zip(PROMPTS, ours, strict=True):
         assert beams == hf_beams(hf_model, prompt, params, None)
         assert all(len(b) == 10 for b in beams)
+
+
+def test_preempted_beams_recompute_to_the_same_result(tiny_dir: Path) -> None:
+    """A pool far too small for three groups at once: beams are preempted (recompute) and forks fall back to
+    recomputing, yet every group ends with the hypotheses it finds alone."""
+    params = BeamSearchParams(beam_width=4, max_tokens=12, stop_token_ids=STOPS[1:])
+    roomy = engine_beams(make_core(tiny_dir), PROMPTS, params, STOPS[0])
+    core = make_core(tiny_dir, blocks=22)
+    assert engine_beams(core, PROMPTS, params, STOPS[0]) == roomy
+    assert core.stats().preemptions > 0
+    assert core.stats().free_blocks == 22
+
+
+def test_beams_share_blocks_and_pruned_beams_free_theirs(tiny_dir: Path) -> None:
+    core = make_core(tiny_dir)
+    prompt = [7] * 21  # 5 full blocks of 4 and one partial: every beam shares them
+    request, group = beam_request(
+        "0", prompt, BeamSearchParams(beam_width=8, max_tokens=16, ignore_eos=True), 2, 128, 64
+    )
+    core.add_request(request, group)
+    peak_shared = peak_unshared = 0
+    while core.has_unfinished:
+        core.step()
+        running = [s for s in core.scheduler.running if not s.is_finished]
+        used = BLOCKS - core.stats().free_blocks
+        # Without sharing each beam would hold a block table of its own.
+        unshared = sum(-(-s.num_tokens // 4) for s in running)
+        peak_shared, peak_unshared = max(peak_shared, used), max(peak_unshared, unshared)
+        assert used <= unshared
+    assert group.num_forked >= 7 and group.num_pruned > 0 and group.peak_live == 8
+    assert peak_shared < 0.6 * peak_unshared, (peak_shared, peak_unshared)
+    assert core.stats().free_blocks == BLOCKS
+
+
+def test_abort_ends_the_group_and_frees_every_block(tiny_dir: Path) -> None:
+    core = make_core(tiny_dir)
+    params = BeamSearchParams(beam_width=4, max_tokens=30, ignore_eos=True, n=2)
+    request, group = beam_request("a", PROMPTS[1], params, 2, 128, 64)
+    core.add_request(request, group)
+    for _ in range(4):
+        core.step()
+    assert len([s for s in request.seqs if not s.is_finished]) == 4
+    outputs = core.abort("a")
+    assert sorted(o.index for o in outputs) == [0, 1]  # the n choices a client waits for
+    assert all(o.finish_reason.value == "abort" for o in outputs)
+    core.step()  # the worker forgets the rows
+    assert core.stats().free_blocks == BLOCKS and not core.has_unfinished
+    assert len(core.scheduler.beam_groups) == 0
+
+
+def test_a_beam_search_that_cannot_fit_the_pool_is_refused_before_work(tiny_dir: Path) -> None:
+    core = make_core(tiny_dir, blocks=40, max_num_seqs=8)
+    params = BeamSearchParams(beam_width=8, max_tokens=40, ignore_eos=True)
+    request, group = beam_request("big", PROMPTS[0], params, 2, 128, 64)
+    with pytest.raises(ValueError, match=r"beam_width \(8\) x max_tokens \(40\) needs up to 81 KV blocks"):
+        core.add_request(request, group)
+    wide = BeamSearchParams(beam_width=16, max_tokens=4)
+    request, group = beam_request("wide", PROMPTS[0], wide, 2, 128, 64)
+    with pytest.raises(ValueError, match=r"beam_width \(16\) must be <= max_num_seqs \(8\)"):
+        core.add_request(request, group)
+    assert not core.has_unfinished
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"beam_width": 0}, "beam_width"),
+        ({"beam_width": 65}, "beam_width"),
+        ({"beam_width": 2, "n": 3}, "n"),
+        ({"beam_width": 2, "temperature": 0.7}, "temperature"),
+        ({"beam_width": 2, "early_stopping": "sometimes"}, "early_stopping"),
+        ({"beam_width": 2, "early_stopping": 1}, "early_stopping"),
+        ({"beam_width": 2, "length_penalty": float("nan")}, "length_penalty"),
+        ({"beam_width": 2, "max_tokens": 0}, "max_tokens"),
+        ({"beam_width": 2, "stop_token_ids": [-1]}, "stop_token_ids"),
+    ],
+)
+def test_bad_beam_search_params_name_the_field(kwargs: dict, field: str) -> None:
+    kwargs = {"max_tokens": 8, **kwargs}
+    with pytest.raises(ValueError, match=f"^{field} "):
+        BeamSearchParams(**kwargs)

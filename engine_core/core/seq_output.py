@@ -63,15 +63,16 @@ def beam_outputs(group: BeamGroup) -> list[SeqOutput]:
     return outputs
 
 
-def ending_outputs(request: Request, reason: FinishReason) -> list[SeqOutput]:
+def ending_outputs(request: Request, reason: FinishReason, n: int | None = None) -> list[SeqOutput]:
     """The last output of each choice of a request ended outside a step (abort, error, refused at admission).
 
     Choices that already finished for another reason were reported then and get none; choices never created
-    (siblings of an unforked parent) get one too, so a client sees all `n` choices end.
+    (siblings of an unforked parent) get one too, so a client sees all `n` choices end (a beam search: the `n` it
+    returns, whose indices no beam sequence uses).
     """
     done = {s.index for s in request.seqs if s.is_finished and s.finish_reason is not reason}
     return [
         SeqOutput(request.request_id, index, [], finish_reason=reason)
-        for index in range(request.sampling_params.n)
+        for index in range(request.sampling_params.n if n is None else n)
         if index not in done
     ]
