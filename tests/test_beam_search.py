@@ -11,9 +11,13 @@ from transformers import AutoModelForCausalLM
 
 from engine_core.beam_search import BeamSearchParams, beam_request
 from engine_core.config import EngineConfig
+from engine_core.core.request import FinishReason
 from engine_core.core.seq_output import SeqOutput
 from engine_core.engine import EngineCore
+from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.worker.model_runner import ModelRunner
+from services.convert.outputs import seq_output_from_proto, seq_output_to_proto
+from services.convert.plan import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
 
 BLOCKS = 256
 MAX_MODEL_LEN = 64
@@ -194,3 +198,28 @@ def test_bad_beam_search_params_name_the_field(kwargs: dict, field: str) -> None
     kwargs = {"max_tokens": 8, **kwargs}
     with pytest.raises(ValueError, match=f"^{field} "):
         BeamSearchParams(**kwargs)
+
+
+class ProtoHop:
+    """The remote worker's hop without the network: every plan and result through their Protobuf forms."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.step = runner, 0
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        self.step += 1
+        back = plan_from_proto(plan_to_proto(plan, epoch="e", step=self.step))
+        assert back.beam_deltas == plan.beam_deltas
+        return result_from_proto(result_to_proto(self.runner.execute(back)))
+
+
+def test_beams_through_the_worker_protocol_are_the_same(tiny_dir: Path) -> None:
+    params = BeamSearchParams(beam_width=4, max_tokens=12, stop_token_ids=STOPS[1:])
+    local = engine_beams(make_core(tiny_dir), PROMPTS, params, STOPS[0])
+    config = EngineConfig(model=str(tiny_dir), block_size=4, num_kv_blocks=BLOCKS, max_num_seqs=16)
+    runner = ModelRunner(config, str(tiny_dir))
+    runner.init_kv_cache(BLOCKS)
+    core = EngineCore(config, ProtoHop(runner), max_model_len=MAX_MODEL_LEN, num_blocks=BLOCKS)
+    assert engine_beams(core, PROMPTS, params, STOPS[0]) == local
+    out = SeqOutput("r", 0, [4, 5], finish_reason=FinishReason.LENGTH, cumulative_logprob=-1.5)
+    assert seq_output_from_proto("r", seq_output_to_proto(out)) == out

@@ -51,6 +51,8 @@ def params_from_proto(opts: common_pb2.SamplingOptions, *, internal: bool = Fals
     params = SamplingParams(**kwargs)  # type: ignore[arg-type]
     if internal and opts.HasField("eos_token_id"):
         params.eos_token_id = opts.eos_token_id
+    if internal:
+        params.num_beam_candidates = opts.num_beam_candidates
     return params
 
 
@@ -82,4 +84,5 @@ def params_to_proto(params: SamplingParams, *, with_stop_strings: bool = True) -
         opts.bad_words_token_ids.add(token_ids=seq)
     if params.eos_token_id is not None:
         opts.eos_token_id = params.eos_token_id
+    opts.num_beam_candidates = params.num_beam_candidates
     return opts
