@@ -73,6 +73,74 @@ class BeamSearchParams:
         )
 
 
+# Sampling fields beam search does not use: set to anything but their default, they are refused by name.
+_UNUSED_WITH_BEAMS = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "seed",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "bad_words",
+    "allowed_token_ids",
+)
+
+
+def check_beam_compatible(params: SamplingParams) -> None:
+    """Raises ValueError naming the field when `params` (use_beam_search set) cannot run as a beam search."""
+    defaults = SamplingParams()
+    for name in _UNUSED_WITH_BEAMS:
+        if getattr(params, name) != getattr(defaults, name):
+            raise ValueError(f"{name} is not supported with beam search (use_beam_search)")
+    params_of(params)  # the width, n, temperature, length_penalty and early_stopping checks
+
+
+def params_of(params: SamplingParams) -> BeamSearchParams:
+    """The beam search a request's SamplingParams ask for (use_beam_search; n returned of beam_width)."""
+    if params.max_tokens is None:
+        raise ValueError("max_tokens must be set with beam search (use_beam_search)")
+    return BeamSearchParams(
+        beam_width=params.n if params.beam_width is None else params.beam_width,
+        max_tokens=params.max_tokens,
+        ignore_eos=params.ignore_eos,
+        temperature=params.temperature,
+        length_penalty=params.length_penalty,
+        include_stop_str_in_output=params.include_stop_str_in_output,
+        early_stopping=params.early_stopping,
+        n=params.n,
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+    )
+
+
+def group_for(request: Request, max_model_len: int) -> BeamGroup:
+    """The group of a request whose params set use_beam_search (EngineCore.add_request); the request keeps its
+    params (n = the choices returned), its beams run with the group's `row_params` (eos kept)."""
+    user = request.sampling_params
+    params = params_of(user)
+    row = dataclasses.replace(params.sampling_params(), eos_token_id=user.eos_token_id)
+    row = with_beam_candidates(row, params.beam_width)
+    return _group(params, row, max_model_len - request.num_prompt_tokens)
+
+
+def _group(params: BeamSearchParams, row: SamplingParams, room: int) -> BeamGroup:
+    max_new = max(1, min(params.max_tokens, room))
+    return BeamGroup(
+        row,
+        params.beam_width,
+        params.num_returned,
+        params.length_penalty,
+        params.early_stopping,
+        row.all_stop_token_ids,
+        max_new,
+    )
+
+
 def beam_candidates(beam_width: int, num_stop_tokens: int) -> int:
     """Candidates kept per step, as transformers: enough that beam_width survive even if every beam's best few end
     (each stop token can take one candidate per beam)."""
@@ -97,15 +165,7 @@ def beam_request(
     """The engine request of one prompt's beam search and its group (EngineCore.add_request(request, group)).
     Raises ValueError naming the field when a stop token id is outside the vocabulary."""
     sp = with_beam_candidates(with_eos(params.sampling_params(), eos_token_id, vocab_size), params.beam_width)
-    max_new = max(1, min(params.max_tokens, max_model_len - len(prompt_token_ids)))
-    group = BeamGroup(
-        params.beam_width,
-        params.num_returned,
-        params.length_penalty,
-        params.early_stopping,
-        sp.all_stop_token_ids,
-        max_new,
-    )
+    group = _group(params, sp, max_model_len - len(prompt_token_ids))
     return Request(request_id, prompt_token_ids, sp, prompt=prompt), group
 
 

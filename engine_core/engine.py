@@ -19,6 +19,7 @@ from typing import Protocol
 
 import structlog
 
+from engine_core.beam_search import group_for
 from engine_core.config import EngineConfig
 from engine_core.core.beam_group import BeamGroup
 from engine_core.core.request import FinishReason, Request
@@ -102,7 +103,9 @@ class EngineCore:
 
     def add_request(self, request: Request, beam: BeamGroup | None = None) -> None:
         """Queues a request (a beam search with `beam`); raises ValueError (and keeps nothing) if it could never run
-        or its id is in use."""
+        or its id is in use. A request whose params set use_beam_search becomes one (its params the per-beam ones)."""
+        if beam is None and request.sampling_params.use_beam_search:
+            beam = group_for(request, self.max_model_len)
         self.scheduler.add_request(request, beam)
 
     def has_request(self, request_id: str) -> bool:

@@ -60,6 +60,12 @@ class SamplingParams:
     # the only tokens a step may sample.
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    # Beam search in the engine (vLLM's extension fields; docs/architecture.md, "Beam search"): `n` of the
+    # `beam_width` best hypotheses come back (beam_width None: n). Greedy only: temperature must be 0.
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # Filled by the engine, not the user: the eos id of the tokenizer (ignored when ignore_eos), and the bad words as
     # token-id sequences (io/bad_words.py), which is the form the sampler uses.
     eos_token_id: int | None = field(default=None, repr=False)
@@ -132,6 +138,14 @@ class SamplingParams:
                 raise bad(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise bad("seed", f"must be an integer, got {self.seed!r}")
+        if self.use_beam_search:
+            self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        # NOTE: imported here: beam_search imports this module.
+        from engine_core.beam_search import check_beam_compatible
+
+        check_beam_compatible(self)
 
     def _validate_token_lists(self) -> None:
         words = self.bad_words

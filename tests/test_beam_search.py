@@ -11,10 +11,11 @@ from transformers import AutoModelForCausalLM
 
 from engine_core.beam_search import BeamSearchParams, beam_request
 from engine_core.config import EngineConfig
-from engine_core.core.request import FinishReason
+from engine_core.core.request import FinishReason, Request
 from engine_core.core.seq_output import SeqOutput
 from engine_core.engine import EngineCore
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
+from engine_core.sampling_params import SamplingParams, with_eos
 from engine_core.worker.model_runner import ModelRunner
 from services.convert.outputs import seq_output_from_proto, seq_output_to_proto
 from services.convert.plan import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
@@ -223,3 +224,33 @@ def test_beams_through_the_worker_protocol_are_the_same(tiny_dir: Path) -> None:
     assert engine_beams(core, PROMPTS, params, STOPS[0]) == local
     out = SeqOutput("r", 0, [4, 5], finish_reason=FinishReason.LENGTH, cumulative_logprob=-1.5)
     assert seq_output_from_proto("r", seq_output_to_proto(out)) == out
+
+
+def test_sampling_params_with_use_beam_search_run_the_same_search(tiny_dir: Path) -> None:
+    """The services' path: SamplingParams(use_beam_search=True) through EngineCore.add_request alone."""
+    params = BeamSearchParams(beam_width=4, max_tokens=12, n=2, length_penalty=0.5, stop_token_ids=STOPS[1:])
+    want = engine_beams(make_core(tiny_dir), PROMPTS[:2], params, STOPS[0])
+    core = make_core(tiny_dir)
+    sp = SamplingParams(
+        n=2, use_beam_search=True, beam_width=4, temperature=0.0, max_tokens=12, length_penalty=0.5,
+        stop_token_ids=STOPS[1:],
+    )  # fmt: skip
+    for i, prompt in enumerate(PROMPTS[:2]):
+        core.add_request(Request(str(i), prompt, with_eos(sp, STOPS[0], 128)))
+    outputs: list[SeqOutput] = []
+    while core.has_unfinished:
+        outputs += core.step()
+    got = [[o.new_token_ids for o in sorted(outputs, key=lambda o: o.index) if o.request_id == str(i)] for i in (0, 1)]
+    assert got == want
+    assert all(o.cumulative_logprob is not None and o.cumulative_logprob < 0 for o in outputs)
+
+
+def test_sampling_params_refuse_what_beam_search_does_not_use() -> None:
+    base = {"use_beam_search": True, "n": 2, "temperature": 0.0}
+    for field, value in (("top_p", 0.5), ("logprobs", 2), ("seed", 3), ("presence_penalty", 0.5)):
+        with pytest.raises(ValueError, match=f"^{field} is not supported with beam search"):
+            SamplingParams(**base, **{field: value})
+    with pytest.raises(ValueError, match=r"^n must be an integer in \[1, beam_width \(2\)\]"):
+        SamplingParams(**{**base, "n": 3}, beam_width=2)
+    with pytest.raises(ValueError, match=r"^temperature must be 0 with beam search"):
+        SamplingParams(use_beam_search=True, n=2)

@@ -21,6 +21,7 @@ from engine_core.core.beam_scorer import BeamScorer, Hypothesis
 from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.core.request import FinishReason, Request, Sequence, SequenceStatus
 from engine_core.plan import BeamDelta
+from engine_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_core.plan import LogprobsTensors
@@ -44,6 +45,7 @@ class BeamHost(Protocol):
 class BeamGroup:
     def __init__(
         self,
+        row_params: SamplingParams,
         beam_width: int,
         num_returned: int,
         length_penalty: float,
@@ -51,6 +53,7 @@ class BeamGroup:
         stop_token_ids: set[int],
         max_new_tokens: int,
     ) -> None:
+        self.row_params = row_params  # what each beam runs with (greedy, num_beam_candidates logprobs)
         self.beam_width = beam_width
         self.num_returned = num_returned
         self.scorer = BeamScorer(beam_width, length_penalty, early_stopping, stop_token_ids, max_new_tokens)

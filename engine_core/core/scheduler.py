@@ -21,6 +21,7 @@ from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.core.request import FinishReason, LifecycleEvent, LifecycleKind, Request, Sequence, SequenceStatus
 from engine_core.core.request_limits import RequestLimits
 from engine_core.plan import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
+from engine_core.sampling_params import SamplingParams
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Scheduler:
         self.check_request(n_prompt, n)
         if beam is not None:
             self.limits.check_beam(n_prompt, beam.beam_width, request.sampling_params.max_tokens)
+            n = 1  # NOTE: the group forks its beams itself; `n` is how many hypotheses come back
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         request.arrival_index = next(self._arrivals)
@@ -326,7 +328,7 @@ class Scheduler:
                         seq_id=seq.seq_id,
                         token_ids=list(seq.token_ids),
                         num_prompt_tokens=seq.num_prompt_tokens,
-                        sampling_params=seq.request.sampling_params,
+                        sampling_params=self._row_params(seq),
                         seed=seq.seed,
                         block_ids=self.kv.block_ids(seq.seq_id),
                         num_computed_tokens=seq.num_computed_tokens,
@@ -342,6 +344,10 @@ class Scheduler:
             self.kv.cache_computed_blocks(seq)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         return out
+
+    def _row_params(self, seq: Sequence) -> SamplingParams:
+        group = self.beam_groups.get(seq.request.request_id) if self.beam_groups else None
+        return seq.request.sampling_params if group is None else group.row_params
 
     def _drain_beams(self, out: SchedulerOutput) -> None:
         for request_id, group in list(self.beam_groups.items()):
