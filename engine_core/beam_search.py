@@ -11,11 +11,7 @@ from dataclasses import dataclass, field
 
 from engine_core.core.beam_group import BeamGroup
 from engine_core.core.request import Request
-from engine_core.sampling_params import GREEDY_EPS, SamplingParams, _is_int, _is_number, with_eos
-
-# NOTE: the candidates scored per step grow as beam_width x (2 or more), all returned by the worker as logprobs; a
-# width past this is refused before any work (vLLM sets no bound; transformers none either).
-MAX_BEAM_WIDTH = 64
+from engine_core.sampling_params import SamplingParams, check_beam_fields, with_eos
 
 
 @dataclass
@@ -40,20 +36,10 @@ class BeamSearchParams:
         self.validate()
 
     def validate(self) -> None:
-        if not _is_int(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
-            raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {self.beam_width!r}")
-        if self.n is not None and (not _is_int(self.n) or not 1 <= self.n <= self.beam_width):
-            raise ValueError(f"n must be an integer in [1, beam_width ({self.beam_width})], got {self.n!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        # NOTE: rejected, not ignored: the search is deterministic (transformers' do_sample=False). vLLM V1 accepts a
-        # temperature and still scores raw logprobs, so it has no effect there either.
-        if not _is_number(self.temperature) or self.temperature > GREEDY_EPS or self.temperature < 0:
-            raise ValueError(f"temperature must be 0 with beam search (it is deterministic), got {self.temperature!r}")
-        if not _is_number(self.length_penalty):
-            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
-        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
-            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        n = self.beam_width if self.n is None else self.n
+        check_beam_fields(
+            self.beam_width, n, self.max_tokens, self.temperature, self.length_penalty, self.early_stopping
+        )
         # The stop fields are checked by SamplingParams (sampling_params(), below).
         self.sampling_params()
 
@@ -71,33 +57,6 @@ class BeamSearchParams:
             stop_token_ids=self.stop_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
-
-
-# Sampling fields beam search does not use: set to anything but their default, they are refused by name.
-_UNUSED_WITH_BEAMS = (
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "seed",
-    "min_tokens",
-    "logprobs",
-    "prompt_logprobs",
-    "bad_words",
-    "allowed_token_ids",
-)
-
-
-def check_beam_compatible(params: SamplingParams) -> None:
-    """Raises ValueError naming the field when `params` (use_beam_search set) cannot run as a beam search."""
-    defaults = SamplingParams()
-    for name in _UNUSED_WITH_BEAMS:
-        if getattr(params, name) != getattr(defaults, name):
-            raise ValueError(f"{name} is not supported with beam search (use_beam_search)")
-    params_of(params)  # the width, n, temperature, length_penalty and early_stopping checks
 
 
 def params_of(params: SamplingParams) -> BeamSearchParams:

@@ -16,6 +16,25 @@ MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
 MAX_BAD_WORD_TOKENS = 64  # per tokenized bad word
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # larger than any vocabulary served; ids are also checked against the model's
+# NOTE: a beam row returns max(2, 1 + stop tokens) x beam_width candidates, all scored each step; a width past this is
+# refused before any work (vLLM and transformers set no bound).
+MAX_BEAM_WIDTH = 64
+# Sampling fields beam search does not use: set to anything but their default, they are refused by name.
+_UNUSED_WITH_BEAMS = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "seed",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "bad_words",
+    "allowed_token_ids",
+)
 
 
 def _float32(value: float) -> float:
@@ -142,10 +161,14 @@ class SamplingParams:
             self._validate_beam_search()
 
     def _validate_beam_search(self) -> None:
-        # NOTE: imported here: beam_search imports this module.
-        from engine_core.beam_search import check_beam_compatible
-
-        check_beam_compatible(self)
+        """The checks BeamSearchParams makes (engine_core/beam_search.py), on these fields, and the fields beam search
+        does not use refused by name rather than ignored."""
+        defaults = SamplingParams()
+        for name in _UNUSED_WITH_BEAMS:
+            if getattr(self, name) != getattr(defaults, name):
+                raise ValueError(f"{name} is not supported with beam search (use_beam_search)")
+        width = self.n if self.beam_width is None else self.beam_width
+        check_beam_fields(width, self.n, self.max_tokens, self.temperature, self.length_penalty, self.early_stopping)
 
     def _validate_token_lists(self) -> None:
         words = self.bad_words
@@ -205,6 +228,31 @@ class SamplingParams:
         if not self.ignore_eos and self.eos_token_id is not None:
             ids.add(self.eos_token_id)
         return ids
+
+
+def check_beam_fields(
+    beam_width: object,
+    n: object,
+    max_tokens: object,
+    temperature: object,
+    length_penalty: object,
+    early_stopping: object,
+) -> None:
+    """Raises ValueError naming the field when these beam search settings are out of range."""
+    if not _is_int(beam_width) or not 1 <= beam_width <= MAX_BEAM_WIDTH:  # type: ignore[operator]
+        raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {beam_width!r}")
+    if not _is_int(n) or not 1 <= n <= beam_width:  # type: ignore[operator]
+        raise ValueError(f"n must be an integer in [1, beam_width ({beam_width})], got {n!r}")
+    if not _is_int(max_tokens) or max_tokens < 1:  # type: ignore[operator]
+        raise ValueError(f"max_tokens must be an integer >= 1 with beam search, got {max_tokens!r}")
+    # NOTE: refused, not ignored: the search is deterministic (transformers' do_sample=False). vLLM V1 accepts a
+    # temperature and still scores raw logprobs, so it has no effect there either.
+    if not _is_number(temperature) or not 0 <= temperature < GREEDY_EPS:  # type: ignore[operator]
+        raise ValueError(f"temperature must be 0 with beam search (it is deterministic), got {temperature!r}")
+    if not _is_number(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
+    if not (isinstance(early_stopping, bool) or early_stopping == "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
 
 
 def with_eos(
