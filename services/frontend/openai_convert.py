@@ -40,13 +40,25 @@ _PASSTHROUGH = (
     "prompt_logprobs",
     "bad_words",
     "allowed_token_ids",
+    "length_penalty",
+    "early_stopping",
 )
 
 
 def _params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    beam_width: int | None = None,
 ) -> SamplingParams:
     kwargs: dict[str, object] = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
+    if req.use_beam_search:
+        kwargs["use_beam_search"] = True
+        kwargs["beam_width"] = beam_width
+        kwargs.setdefault("temperature", 0.0)  # NOTE: unset means greedy: beam search is deterministic
+    else:
+        kwargs.pop("length_penalty", None)
+        kwargs.pop("early_stopping", None)
     if req.stop is not None:
         kwargs["stop"] = req.stop
     if req.logit_bias:
@@ -69,8 +81,8 @@ def completion_inputs(
     """One input per prompt (the completions API takes a batch of prompts)."""
     if req.suffix is not None:
         raise RequestError.invalid("suffix is not supported")
-    if req.best_of is not None and req.best_of != req.n:
-        raise RequestError.invalid("best_of must equal n (beam search and best-of are not supported)")
+    if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
+        raise RequestError.invalid("best_of must equal n (best-of sampling is not supported)", "best_of")
     p = req.prompt
     batch = isinstance(p, list) and bool(p) and not isinstance(p[0], int)
     if max_prompts is not None and batch and len(p) > max_prompts:
@@ -86,7 +98,7 @@ def completion_inputs(
         prompts = [PromptInput(token_ids=list(x)) for x in p]  # type: ignore[arg-type]
     else:
         raise RequestError.invalid("prompt must be a string, a list of strings, token ids or lists of token ids")
-    params = _params(req, req.max_tokens, req.logprobs)
+    params = _params(req, req.max_tokens, req.logprobs, req.best_of)
     return [
         GenerateInput(
             prompt,
