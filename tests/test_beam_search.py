@@ -147,7 +147,9 @@ def test_beams_share_blocks_and_pruned_beams_free_theirs(tiny_dir: Path) -> None
         unshared = sum(-(-s.num_tokens // 4) for s in running)
         peak_shared, peak_unshared = max(peak_shared, used), max(peak_unshared, unshared)
         assert used <= unshared
-    assert group.num_forked >= 7 and group.num_pruned > 0 and group.peak_live == 8
+    counts = request.timings.beam
+    assert counts is not None and counts.width == 8 and counts.steps == 16
+    assert counts.forked >= 7 and counts.pruned > 0 and group.peak_live == 8
     assert peak_shared < 0.6 * peak_unshared, (peak_shared, peak_unshared)
     assert core.stats().free_blocks == BLOCKS
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from engine_core.core.beam_scorer import BeamScorer, Hypothesis
 from engine_core.core.kv_cache_manager import KVCacheManager
-from engine_core.core.request import FinishReason, Request, Sequence, SequenceStatus
+from engine_core.core.request import BeamCounts, FinishReason, Request, Sequence, SequenceStatus
 from engine_core.plan import BeamDelta
 from engine_core.sampling_params import SamplingParams
 
@@ -64,13 +64,12 @@ class BeamGroup:
         self.deltas: list[BeamDelta] = []  # for the next plan
         self.copies: list[tuple[int, int]] = []
         self.done = False
-        self.num_steps = 0
-        self.num_forked = 0
-        self.num_pruned = 0
+        self.counts = BeamCounts(beam_width)
         self.peak_live = 0
 
     def start(self, request: Request, seq: Sequence) -> None:
         self.request = request
+        request.timings.beam = self.counts
         seq.index = self._take_index()
         self.live = [seq]
 
@@ -102,7 +101,7 @@ class BeamGroup:
         )
         if request.timings.first_token is None:
             request.timings.first_token = time.monotonic()
-        self.num_steps += 1
+        self.counts.steps += 1
         step = self.scorer.step(rows, [s.output_token_ids for s in live], at_limit)
         if step.done:
             self.done = True
@@ -114,7 +113,7 @@ class BeamGroup:
             children.setdefault(c.beam, []).append(c.token)
         for b, seq in enumerate(live):
             if b not in children:
-                self.num_pruned += 1
+                self.counts.pruned += 1
                 host.finish_seq(seq, FinishReason.ABORT)  # NOTE: first, so the forks below find its blocks free
         placed: dict[tuple[int, int], Sequence] = {}
         for b, tokens in children.items():
@@ -135,7 +134,7 @@ class BeamGroup:
         child = host.new_sequence(self.request, [*parent.token_ids, token])
         child.index = self._take_index()
         child.num_cached_tokens = parent.num_cached_tokens
-        self.num_forked += 1
+        self.counts.forked += 1
         # NOTE: the fork shares the parent's computed blocks, so it runs before the parent appends its own token.
         if on_worker and host.kv.fork(parent, child, self.copies):
             child.num_computed_tokens = parent.num_computed_tokens
