@@ -13,6 +13,7 @@ from engine_core.checkpoint.model_dir import transformers_kwargs
 
 pytestmark = pytest.mark.slow
 
+PERIOD = 30  # "."
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -33,7 +34,9 @@ def llm(smollm2_dir: str) -> LLM:
     return LLM(smollm2_dir, kv_cache_memory=0.5)
 
 
-def hf_beams(model: torch.nn.Module, ids: list[int], params: BeamSearchParams, eos: int | None) -> list[list[int]]:
+def hf_beams(
+    model: torch.nn.Module, ids: list[int], params: BeamSearchParams, eos: list[int] | None
+) -> list[list[int]]:
     with torch.no_grad():
         out = model.generate(
             torch.tensor([ids]),
@@ -45,15 +48,19 @@ def hf_beams(model: torch.nn.Module, ids: list[int], params: BeamSearchParams, e
             length_penalty=params.length_penalty,
             early_stopping=params.early_stopping,
             eos_token_id=eos,
-            pad_token_id=eos if eos is not None else 0,
+            pad_token_id=eos[0] if eos else 0,
             # NOTE: the checkpoint's generation config may set sampling knobs; beam search here uses none of them.
             temperature=None,
             top_p=None,
             top_k=None,
             repetition_penalty=None,
         )
-    rows = out[:, len(ids) :].tolist()
-    return [row[: row.index(eos) + 1] if eos is not None and eos in row else row for row in rows]
+    beams = []
+    for row in out[:, len(ids) :].tolist():
+        # NOTE: a hypothesis ends at its first stop token (no running beam continues past one); the rest is padding.
+        ends = [i for i, t in enumerate(row) if t in (eos or [])]
+        beams.append(row[: ends[0] + 1] if ends else row)
+    return beams
 
 
 @pytest.mark.parametrize(
@@ -62,19 +69,26 @@ def hf_beams(model: torch.nn.Module, ids: list[int], params: BeamSearchParams, e
 def test_beams_equal_transformers(
     llm: LLM, hf_model: torch.nn.Module, width: int, length_penalty: float, early_stopping: bool | str
 ) -> None:
+    # NOTE: "." (token 30) as a stop token besides EOS: these prompts' beams reach it within 20 tokens (EOS alone they
+    # do not), so hypotheses end on stop tokens as well as on the length limit.
     params = BeamSearchParams(
-        beam_width=width, max_tokens=20, length_penalty=length_penalty, early_stopping=early_stopping, n=2
+        beam_width=width,
+        max_tokens=20,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        n=2,
+        stop_token_ids=[PERIOD],
     )
     tok = llm.get_tokenizer()
     prompts = [list(tok.encode(p)) for p in PROMPTS]
     outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
-    eos = llm.engine.eos_token_id
-    ended_on_eos = 0
+    stops = [llm.engine.eos_token_id, PERIOD]
+    ended_on_stop = 0
     for ids, out in zip(prompts, outs, strict=True):
         ours = [s.tokens[len(ids) :] for s in out.sequences]
-        assert ours == hf_beams(hf_model, ids, params, eos), tok.decode(ids)
-        ended_on_eos += sum(s.finish_reason == "stop" for s in out.sequences)
-    assert ended_on_eos > 0
+        assert ours == hf_beams(hf_model, ids, params, stops), tok.decode(ids)
+        ended_on_stop += sum(s.finish_reason == "stop" for s in out.sequences)
+    assert ended_on_stop > 0
     assert llm.core.stats().free_blocks == llm.core.stats().total_blocks
 
 
