@@ -224,6 +224,8 @@ class EngineCore:
             if upd.error:
                 out.error = upd.error
                 failed.append(seq.request)
+                if self.scheduler.beam_groups and seq.request.request_id in self.scheduler.beam_groups:
+                    out.index = 0  # NOTE: a beam's own index means nothing to the client: the error ends choice 0
             outputs[seq.seq_id] = out
         ended = list(outputs.values())
         if self.scheduler.finished_beams:

@@ -256,3 +256,27 @@ def test_sampling_params_refuse_what_beam_search_does_not_use() -> None:
         SamplingParams(**{**base, "n": 3}, beam_width=2)
     with pytest.raises(ValueError, match=r"^temperature must be 0 with beam search"):
         SamplingParams(use_beam_search=True, n=2)
+
+
+def test_a_failing_beam_row_fails_its_search_alone(tiny_dir: Path) -> None:
+    """A row that cannot be sampled ends its whole beam search with ERROR (choices 0..n-1 only, every block back);
+    a beam search beside it is unaffected."""
+    from tests.test_row_failures import MARK, FailingProcessor
+
+    params = BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True, n=2)
+    want = engine_beams(make_core(tiny_dir), PROMPTS[:1], params, 2)
+    core = make_core(tiny_dir)
+    runner = core.executor
+    assert isinstance(runner, ModelRunner)
+    runner.sampling.processors.append(FailingProcessor(runner.info.vocab_size, runner.device, 16, "apply"))
+    for rid, prompt in (("0", PROMPTS[0]), ("bad", [MARK, 4, 4])):
+        request, group = beam_request(rid, prompt, params, 2, 128, MAX_MODEL_LEN)
+        core.add_request(request, group)
+    outputs: list[SeqOutput] = []
+    while core.has_unfinished:
+        outputs += core.step()
+    bad = [o for o in outputs if o.request_id == "bad"]
+    assert sorted(o.index for o in bad) == [0, 1] and all(o.finish_reason is FinishReason.ERROR for o in bad)
+    assert any("grammar state is corrupt" in o.error for o in bad)
+    assert [o.new_token_ids for o in sorted(outputs, key=lambda o: o.index) if o.request_id == "0"] == want[0]
+    assert core.stats().free_blocks == BLOCKS
