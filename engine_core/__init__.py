@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from engine_core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from engine_core.config import EngineConfig
 from engine_core.io.request_output import CompletionOutput, Logprob, RequestOutput
 from engine_core.sampling_params import SamplingParams
@@ -12,6 +13,9 @@ from engine_core.structured_output.params import StructuredOutputsParams
 
 __all__ = [
     "LLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineConfig",
     "Logprob",

@@ -19,11 +19,13 @@ from typing import Protocol
 
 import structlog
 
+from engine_core.beam_search import group_for
 from engine_core.config import EngineConfig
+from engine_core.core.beam_group import BeamGroup
 from engine_core.core.request import FinishReason, Request
 from engine_core.core.request_limits import RequestLimits
 from engine_core.core.scheduler import Scheduler
-from engine_core.core.seq_output import SeqOutput, ending_outputs, tensor_rows
+from engine_core.core.seq_output import SeqOutput, beam_outputs, ending_outputs, tensor_rows
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.spec_decode.stats import SpecDecodeStats
 from engine_core.stats import EngineStats
@@ -100,9 +102,12 @@ class EngineCore:
         """Raises ValueError if such a request could never run here. Safe from any thread (frozen limits only)."""
         self.limits.check(n_prompt, n)
 
-    def add_request(self, request: Request) -> None:
-        """Queues a request; raises ValueError (and keeps nothing) if it could never run or its id is in use."""
-        self.scheduler.add_request(request)
+    def add_request(self, request: Request, beam: BeamGroup | None = None) -> None:
+        """Queues a request (a beam search with `beam`); raises ValueError (and keeps nothing) if it could never run
+        or its id is in use. A request whose params set use_beam_search becomes one (its params the per-beam ones)."""
+        if beam is None and request.sampling_params.use_beam_search:
+            beam = group_for(request, self.max_model_len)
+        self.scheduler.add_request(request, beam)
 
     def has_request(self, request_id: str) -> bool:
         """Whether the request is still in the engine (unfinished)."""
@@ -111,7 +116,11 @@ class EngineCore:
     def abort(self, request_id: str) -> list[SeqOutput]:
         """Ends every unfinished choice of a request; returns their ABORT outputs (empty if it is unknown)."""
         request = self.scheduler.abort_request(request_id)
-        return [] if request is None else ending_outputs(request, FinishReason.ABORT)
+        return [] if request is None else ending_outputs(request, FinishReason.ABORT, self._num_choices(request))
+
+    def _num_choices(self, request: Request) -> int:
+        group = self.scheduler.beam_groups.get(request.request_id)
+        return request.sampling_params.n if group is None else group.num_returned
 
     def finish_choice(
         self, request_id: str, index: int, reason: FinishReason, stop_reason: str | None
@@ -165,7 +174,7 @@ class EngineCore:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             plan = self.scheduler.schedule()
-            if plan.is_empty and not plan.finished_seq_ids and not plan.copy_blocks:
+            if plan.is_empty and not plan.finished_seq_ids and not plan.copy_blocks and not plan.beam_deltas:
                 return []
             if submit is None:
                 return self.process(plan, self.executor.execute(plan))
@@ -228,12 +237,19 @@ class EngineCore:
             if upd.error:
                 out.error = upd.error
                 failed.append(seq.request)
+                if self.scheduler.beam_groups and seq.request.request_id in self.scheduler.beam_groups:
+                    out.index = 0  # NOTE: a beam's own index means nothing to the client: the error ends choice 0
             outputs[seq.seq_id] = out
         ended = list(outputs.values())
+        if self.scheduler.finished_beams:
+            for group in self.scheduler.finished_beams:
+                ended += beam_outputs(group)
+            self.scheduler.finished_beams = []
         for request in failed:
             # NOTE: a request fails as a whole: its other choices (never-forked ones included) end with ERROR too.
             for seq in request.seqs:
                 self.scheduler.finish_seq(seq, FinishReason.ERROR)
             reported = {o.index for o in ended if o.request_id == request.request_id}
-            ended += [o for o in ending_outputs(request, FinishReason.ERROR) if o.index not in reported]
+            choices = self._num_choices(request)
+            ended += [o for o in ending_outputs(request, FinishReason.ERROR, choices) if o.index not in reported]
         return ended

@@ -9,8 +9,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from engine_core.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_request
 from engine_core.checkpoint.model_files import model_name, read_generation_eos, resolve_model_dir
 from engine_core.config import EngineConfig
+from engine_core.core.beam_group import BeamGroup
 from engine_core.core.prompt_checks import check_token_ids
 from engine_core.core.request import FinishReason, Request
 from engine_core.engine import EngineCore
@@ -109,6 +111,69 @@ class LLM:
                 self.core.abort(queued.request_id)
             raise
         return self._run(processor, order, use_tqdm)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search in the engine (vLLM's signature and result shape; transformers' semantics, see
+        docs/beam_search.md): each output's `sequences` are the best hypotheses, best first."""
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        groups: list[tuple[Request, BeamGroup]] = []
+        try:
+            for prompt in prompt_list:
+                text, token_ids = self._tokenize(prompt)
+                vocab = self.engine.runner.info.vocab_size
+                eos, max_len = self.engine.eos_token_id, self.core.max_model_len
+                request, group = beam_request(str(next(self._ids)), token_ids, params, eos, vocab, max_len, text)
+                self.core.add_request(request, group)
+                groups.append((request, group))
+        except BaseException:
+            for queued, _ in groups:
+                self.core.abort(queued.request_id)
+            raise
+        bar = tqdm(total=len(groups), desc="Beam search", disable=not use_tqdm)
+        try:
+            while self.core.has_unfinished:
+                for out in self.core.step():
+                    if out.error:
+                        raise RuntimeError(f"beam search request {out.request_id} failed: {out.error}")
+                bar.n = sum(g.done for _, g in groups)
+                bar.refresh()
+        except BaseException:
+            for request, _ in groups:
+                self.core.abort(request.request_id)
+            raise
+        finally:
+            bar.close()
+        return [self._beam_output(request, group, params) for request, group in groups]
+
+    def _beam_output(self, request: Request, group: BeamGroup, params: BeamSearchParams) -> BeamSearchOutput:
+        sequences = []
+        for hyp in group.results():
+            tokens = request.prompt_token_ids + hyp.output_token_ids
+            # NOTE: vLLM's shape: `tokens` and `text` hold the prompt too. A stop string ends the text (kept with
+            # include_stop_str_in_output); the search itself scores token ids only.
+            prompt_text = self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=True)
+            out_text = self.tokenizer.decode(hyp.output_token_ids, skip_special_tokens=True)
+            stop_reason: int | str | None = None
+            hits = [(out_text.find(s), s) for s in params.stop or [] if s in out_text]
+            if hits:
+                at, stop = min(hits)
+                out_text = out_text[: at + len(stop)] if params.include_stop_str_in_output else out_text[:at]
+                stop_reason = stop
+            elif hyp.stopped and hyp.output_token_ids[-1] != request.sampling_params.eos_token_id:
+                stop_reason = hyp.output_token_ids[-1]
+            sequences.append(
+                BeamSearchSequence(
+                    tokens=tokens,
+                    cum_logprob=hyp.cum_logprob,
+                    text=prompt_text + out_text,
+                    score=hyp.score,
+                    finish_reason="stop" if hyp.stopped or hits else "length",
+                    stop_reason=stop_reason,
+                )
+            )
+        return BeamSearchOutput(sequences)
 
     def chat(
         self,

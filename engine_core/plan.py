@@ -44,6 +44,19 @@ class CachedSequenceData:
 
 
 @dataclass
+class BeamDelta:
+    """Beam search re-forming a group (core/beam_group.py): sequence `seq_id` continues from `parent_seq_id` with
+    `token` in place of the token the worker sampled. `seq_id == parent_seq_id`: the row keeps its place and only its
+    last token changes; otherwise a new row copies the parent's tokens with `block_ids` as its block table (the
+    parent's full blocks shared, the partial one a copy listed in `copy_blocks`)."""
+
+    seq_id: int
+    parent_seq_id: int
+    token: int
+    block_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
 class SchedulerOutput:
     """One step's plan. `num_scheduled_tokens` orders the batch: the worker runs sequences in this order."""
 
@@ -58,6 +71,9 @@ class SchedulerOutput:
     # Speculative decoding (vLLM's name): seq_id -> draft tokens to verify after its last known token; each is
     # counted in the sequence's num_scheduled_tokens (1 + len(drafts) query tokens).
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # Beam search: rows re-parented since the last step, applied before `finished_seq_ids` (a parent may leave in
+    # the same plan its child forks from it).
+    beam_deltas: list[BeamDelta] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -19,6 +19,26 @@ MAX_BAD_WORDS = 128
 MAX_BAD_WORD_CHARS = 256
 MAX_BAD_WORD_TOKENS = 64  # per tokenized bad word
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # larger than any vocabulary served; ids are also checked against the model's
+# NOTE: a beam row returns max(2, 1 + stop tokens) x beam_width candidates, all scored each step; a width past this is
+# refused before any work (vLLM and transformers set no bound).
+MAX_BEAM_WIDTH = 64
+# Sampling fields beam search does not use: set to anything but their default, they are refused by name.
+_UNUSED_WITH_BEAMS = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "seed",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "bad_words",
+    "allowed_token_ids",
+    "structured_outputs",
+)
 
 
 def _float32(value: float) -> float:
@@ -66,10 +86,19 @@ class SamplingParams:
     # The output's constraint (JSON schema, regex, choice, grammar, any JSON object): every sampled token keeps the
     # output a prefix of something it accepts (engine_core/structured_output).
     structured_outputs: StructuredOutputsParams | None = None
+    # Beam search in the engine (vLLM's extension fields; docs/architecture.md, "Beam search"): `n` of the
+    # `beam_width` best hypotheses come back (beam_width None: n). Greedy only: temperature must be 0.
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
     # Filled by the engine, not the user: the eos id of the tokenizer (ignored when ignore_eos), and the bad words as
     # token-id sequences (io/bad_words.py), which is the form the sampler uses.
     eos_token_id: int | None = field(default=None, repr=False)
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False)
+    # Filled by the engine for beam search (engine_core/beam_search.py): the top candidates per row the worker
+    # returns as logprobs, beyond the user's MAX_LOGPROBS.
+    num_beam_candidates: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -138,6 +167,18 @@ class SamplingParams:
         so = self.structured_outputs
         if so is not None and not isinstance(so, StructuredOutputsParams):
             raise bad("structured_outputs", f"must be a StructuredOutputsParams, got {type(so).__name__}")
+        if self.use_beam_search:
+            self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        """The checks BeamSearchParams makes (engine_core/beam_search.py), on these fields, and the fields beam search
+        does not use refused by name rather than ignored."""
+        defaults = SamplingParams()
+        for name in _UNUSED_WITH_BEAMS:
+            if getattr(self, name) != getattr(defaults, name):
+                raise ValueError(f"{name} is not supported with beam search (use_beam_search)")
+        width = self.n if self.beam_width is None else self.beam_width
+        check_beam_fields(width, self.n, self.max_tokens, self.temperature, self.length_penalty, self.early_stopping)
 
     def _validate_token_lists(self) -> None:
         words = self.bad_words
@@ -197,6 +238,31 @@ class SamplingParams:
         if not self.ignore_eos and self.eos_token_id is not None:
             ids.add(self.eos_token_id)
         return ids
+
+
+def check_beam_fields(
+    beam_width: object,
+    n: object,
+    max_tokens: object,
+    temperature: object,
+    length_penalty: object,
+    early_stopping: object,
+) -> None:
+    """Raises ValueError naming the field when these beam search settings are out of range."""
+    if not _is_int(beam_width) or not 1 <= beam_width <= MAX_BEAM_WIDTH:  # type: ignore[operator]
+        raise ValueError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}], got {beam_width!r}")
+    if not _is_int(n) or not 1 <= n <= beam_width:  # type: ignore[operator]
+        raise ValueError(f"n must be an integer in [1, beam_width ({beam_width})], got {n!r}")
+    if not _is_int(max_tokens) or max_tokens < 1:  # type: ignore[operator]
+        raise ValueError(f"max_tokens must be an integer >= 1 with beam search, got {max_tokens!r}")
+    # NOTE: refused, not ignored: the search is deterministic (transformers' do_sample=False). vLLM V1 accepts a
+    # temperature and still scores raw logprobs, so it has no effect there either.
+    if not _is_number(temperature) or not 0 <= temperature < GREEDY_EPS:  # type: ignore[operator]
+        raise ValueError(f"temperature must be 0 with beam search (it is deterministic), got {temperature!r}")
+    if not _is_number(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
+    if not (isinstance(early_stopping, bool) or early_stopping == "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
 
 
 def with_eos(

@@ -49,6 +49,16 @@ class LifecycleEvent:
 
 
 @dataclass
+class BeamCounts:
+    """A beam search's work (core/beam_group.py), for its request span."""
+
+    width: int
+    steps: int = 0  # scoring steps
+    forked: int = 0  # beams forked from a parent (shared blocks, a copied partial one)
+    pruned: int = 0  # beams ended because none of their continuations survived
+
+
+@dataclass
 class RequestTimings:
     """The engine's own record of a request's life (time.monotonic()); services turn it into spans and metrics."""
 
@@ -61,6 +71,7 @@ class RequestTimings:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     events: list[LifecycleEvent] = field(default_factory=list)
+    beam: BeamCounts | None = None  # a beam search's counts
 
 
 @dataclass(eq=False)

@@ -35,3 +35,19 @@ class RequestLimits:
             )
         if n > self.max_num_seqs:
             raise ValueError(f"n ({n}) must be <= max_num_seqs ({self.max_num_seqs})")
+
+    def check_beam(self, n_prompt: int, beam_width: int, max_tokens: int | None) -> None:
+        """Raises ValueError if a beam search could never run here: its width must fit the batch, and its beams at
+        their longest must fit the KV pool (the prompt's blocks shared, each beam's own blocks plus the copy of a
+        partial one), so it can always finish even alone."""
+        if beam_width > self.max_num_seqs:
+            raise ValueError(f"beam_width ({beam_width}) must be <= max_num_seqs ({self.max_num_seqs})")
+        new = min(max_tokens or self.max_model_len, self.max_model_len - n_prompt)
+        shared = n_prompt // self.block_size
+        own = -(-(n_prompt + new) // self.block_size) - shared
+        needed = shared + beam_width * own
+        if needed > self.num_blocks:
+            raise ValueError(
+                f"beam_width ({beam_width}) x max_tokens ({new}) needs up to {needed} KV blocks of "
+                f"{self.block_size} tokens but the cache holds {self.num_blocks}: lower beam_width or max_tokens"
+            )

@@ -16,10 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_core.config import EngineConfig
+from engine_core.core.beam_group import BeamGroup
 from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.core.request import FinishReason, LifecycleEvent, LifecycleKind, Request, Sequence, SequenceStatus
 from engine_core.core.request_limits import RequestLimits
 from engine_core.plan import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
+from engine_core.sampling_params import SamplingParams
 from engine_core.spec_decode.drafter import Drafter
 
 
@@ -49,6 +51,8 @@ class Scheduler:
         self._on_worker: set[int] = set()  # sequences the worker holds state for
         self._to_drop: list[int] = []  # finished/preempted since the last step: the worker forgets them
         self.num_preemptions = 0
+        self.beam_groups: dict[str, BeamGroup] = {}  # request_id -> its group, for beam search requests
+        self.finished_beams: list[BeamGroup] = []  # ended in `update`: the engine reports their hypotheses
         key: Callable[[Sequence], tuple] = (
             (lambda s: s.sort_key) if config.scheduling_policy == "priority" else (lambda s: s.sort_key[1:])
         )
@@ -61,9 +65,12 @@ class Scheduler:
         """Raises ValueError if a request could never run here (see RequestLimits)."""
         self.limits.check(n_prompt, n)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, beam: BeamGroup | None = None) -> None:
         n_prompt, n = request.num_prompt_tokens, request.sampling_params.n
         self.check_request(n_prompt, n)
+        if beam is not None:
+            self.limits.check_beam(n_prompt, beam.beam_width, request.sampling_params.max_tokens)
+            n = 1  # NOTE: the group forks its beams itself; `n` is how many hypotheses come back
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         request.arrival_index = next(self._arrivals)
@@ -74,6 +81,17 @@ class Scheduler:
             seq = self._new_seq(request, index, list(request.prompt_token_ids))
             seq.pending_fork = n > 1 and count == 1
             self.waiting.append(seq)
+            if beam is not None:
+                beam.start(request, seq)
+                self.beam_groups[request.request_id] = beam
+
+    def new_sequence(self, request: Request, token_ids: list[int]) -> Sequence:
+        """A sequence of `request` that a beam group forks (index set by the group)."""
+        return self._new_seq(request, 0, token_ids)
+
+    def adopt_on_worker(self, seq: Sequence) -> None:
+        """A sequence the worker learns of by a BeamDelta (a forked beam), not by its tokens."""
+        self._on_worker.add(seq.seq_id)
 
     def _new_seq(self, request: Request, index: int, token_ids: list[int]) -> Sequence:
         seq = Sequence(next(self._seq_ids), request, index, token_ids, request.num_prompt_tokens)
@@ -191,8 +209,8 @@ class Scheduler:
         (n > 1), or when the pool cannot hold every running sequence's next tokens: a preempted sequence would
         have to recompute a token nobody knows yet.
         """
-        if any(s.pending_fork for s in self.running):
-            return None
+        if self.beam_groups or any(s.pending_fork for s in self.running):
+            return None  # NOTE: a beam group's next step depends on this step's scores
         if self.drafter is not None and (
             self.drafter.active(len(self.running)) or any(s.spec_token_ids for s in self.running)
         ):
@@ -240,9 +258,13 @@ class Scheduler:
         # NOTE: a running parent that will fork holds the slots of its n - 1 future siblings too; counting only
         # len(running) let other sequences take them, and the fork then overfilled the worker's batch.
         used = sum(s.request.sampling_params.n if s.pending_fork else 1 for s in self.running)
+        if self.beam_groups:
+            used += sum(g.slots_reserved(self.running) for g in self.beam_groups.values())
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             slots = seq.request.sampling_params.n if seq.pending_fork else 1
+            if self.beam_groups and (group := self.beam_groups.get(seq.request.request_id)) is not None:
+                slots = group.admission_slots(self.running)
             if used + slots > self.config.max_num_seqs:
                 break
             prefix = self.kv.lookup_prefix(seq) if seq.num_computed_tokens == 0 else []
@@ -325,6 +347,8 @@ class Scheduler:
     def _build_output(
         self, out: SchedulerOutput, scheduled: dict[int, int], new_blocks: dict[int, list[int]]
     ) -> SchedulerOutput:
+        if self.beam_groups:
+            self._drain_beams(out)
         out.finished_seq_ids, self._to_drop = self._to_drop, []
         # NOTE: batch order = running order, so decodes and prefills interleave; the runner regroups them.
         stepped: set[str] = set()  # requests counted in this step (a request's n choices are one step)
@@ -344,7 +368,7 @@ class Scheduler:
                         seq_id=seq.seq_id,
                         token_ids=list(seq.token_ids),
                         num_prompt_tokens=seq.num_prompt_tokens,
-                        sampling_params=seq.request.sampling_params,
+                        sampling_params=self._row_params(seq),
                         seed=seq.seed,
                         block_ids=self.kv.block_ids(seq.seq_id),
                         num_computed_tokens=seq.num_computed_tokens,
@@ -362,6 +386,18 @@ class Scheduler:
             self.kv.cache_computed_blocks(seq)
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         return out
+
+    def _row_params(self, seq: Sequence) -> SamplingParams:
+        group = self.beam_groups.get(seq.request.request_id) if self.beam_groups else None
+        return seq.request.sampling_params if group is None else group.row_params
+
+    def _drain_beams(self, out: SchedulerOutput) -> None:
+        for request_id, group in list(self.beam_groups.items()):
+            deltas, copies = group.drain()
+            out.beam_deltas += deltas
+            out.copy_blocks += copies
+            if request_id not in self.requests:  # ended (search done, aborted or failed)
+                del self.beam_groups[request_id]
 
     # ---- results ----------------------------------------------------------------------------------------------
     def update(self, runner_out: ModelRunnerOutput) -> list[SequenceUpdate]:
@@ -390,6 +426,9 @@ class Scheduler:
                 updates.append(SequenceUpdate(seq, [], first, error))
                 self.finish_seq(seq, FinishReason.ERROR)
                 continue
+            if self.beam_groups and (group := self.beam_groups.get(seq.request.request_id)) is not None:
+                group.record(seq, runner_out.logprobs, first)  # NOTE: its token comes from the group's step
+                continue
             if seq.request.timings.first_token is None:
                 seq.request.timings.first_token = now
             new_tokens: list[int] = []
@@ -402,6 +441,10 @@ class Scheduler:
                     self.finish_seq(seq, reason, stop_reason)
                     break
             updates.append(SequenceUpdate(seq, new_tokens, first))
+        if self.beam_groups:
+            for group in list(self.beam_groups.values()):
+                if group.ready and group.advance(self):
+                    self.finished_beams.append(group)
         return updates
 
     def _settle_drafts(self, seq: Sequence, num_accepted: int) -> None:

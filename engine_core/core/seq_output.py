@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine_core.core.beam_group import BeamGroup
 from engine_core.core.request import FinishReason, Request
 from engine_core.plan import LogprobsTensors
 
@@ -32,6 +33,7 @@ class SeqOutput:
     # Speculative decoding: the request's draft tokens verified and accepted so far (set on a choice's last output).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    cumulative_logprob: float | None = None  # beam search: the returned hypothesis' (its tokens come in one output)
 
 
 def tensor_rows(tensors: LogprobsTensors, rows: list[int] | slice, k: int) -> list[TokenLogprobs]:
@@ -42,15 +44,38 @@ def tensor_rows(tensors: LogprobsTensors, rows: list[int] | slice, k: int) -> li
     return [TokenLogprobs(i, lp, r) for i, lp, r in zip(ids, lps, ranks, strict=True)]
 
 
-def ending_outputs(request: Request, reason: FinishReason) -> list[SeqOutput]:
+def beam_outputs(group: BeamGroup) -> list[SeqOutput]:
+    """A finished beam search's result: one output per returned hypothesis, best first, all its tokens at once."""
+    assert group.request is not None
+    outputs = []
+    for index, hyp in enumerate(group.results()):
+        reason = FinishReason.STOP_TOKEN if hyp.stopped else FinishReason.LENGTH
+        eos = group.request.sampling_params.eos_token_id
+        stop_reason = hyp.output_token_ids[-1] if hyp.stopped and hyp.output_token_ids[-1] != eos else None
+        outputs.append(
+            SeqOutput(
+                group.request.request_id,
+                index,
+                hyp.output_token_ids,
+                finish_reason=reason,
+                stop_reason=stop_reason,
+                num_cached_tokens=max(group.live[0].num_cached_tokens, 0),
+                cumulative_logprob=hyp.cum_logprob,
+            )
+        )
+    return outputs
+
+
+def ending_outputs(request: Request, reason: FinishReason, n: int | None = None) -> list[SeqOutput]:
     """The last output of each choice of a request ended outside a step (abort, error, refused at admission).
 
     Choices that already finished for another reason were reported then and get none; choices never created
-    (siblings of an unforked parent) get one too, so a client sees all `n` choices end.
+    (siblings of an unforked parent) get one too, so a client sees all `n` choices end (a beam search: the `n` it
+    returns, whose indices no beam sequence uses).
     """
     done = {s.index for s in request.seqs if s.is_finished and s.finish_reason is not reason}
     return [
         SeqOutput(request.request_id, index, [], finish_reason=reason)
-        for index in range(request.sampling_params.n)
+        for index in range(request.sampling_params.n if n is None else n)
         if index not in done
     ]

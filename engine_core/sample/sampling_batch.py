@@ -257,6 +257,7 @@ class SamplingBatch:
         if any(p.min_p > 0.0 for p in random_params):
             min_p = f32([0.0 if g else p.min_p for p, g in zip(params, greedy, strict=True)])
         logprob_ks = [p.logprobs for p in params if p.logprobs is not None]
+        logprob_ks += [p.num_beam_candidates for p in params if p.num_beam_candidates]
         slots = [self._slots[s] for s in seq_ids]
         bound = [(b, p) for p in self.processors if (b := p.bind(slots)) is not None]
         processors = [b for b, _ in bound]

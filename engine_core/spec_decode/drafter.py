@@ -35,6 +35,7 @@ def can_speculate(params: SamplingParams) -> bool:
         and not params.allowed_token_ids
         and params.min_tokens == 0
         and params.structured_outputs is None
+        and not params.use_beam_search  # NOTE: a beam's next token is its group's choice, not its own sample
     )
 
 

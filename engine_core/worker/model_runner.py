@@ -34,6 +34,7 @@ from engine_core.sample.sampler import FAILED_TOKEN, Sampler, compute_logprobs
 from engine_core.sample.sampling_batch import SamplingBatch
 from engine_core.step_timings import StepTimings
 from engine_core.structured_output.guidance import backend_for_model
+from engine_core.worker.beam_rows import apply_beam_deltas
 from engine_core.worker.cuda_graphs import CudaGraphDecodeStep, capture_sizes
 from engine_core.worker.device_inputs import DeviceInputs, step_input_specs
 from engine_core.worker.host_memory import zeroed_host_tensor
@@ -373,6 +374,8 @@ class ModelRunner:
         self._prompt_logprob_seqs.discard(seq_id)
 
     def _apply_deltas(self, plan: SchedulerOutput) -> None:
+        if plan.beam_deltas:
+            apply_beam_deltas(self.batch, self.sampling, plan.beam_deltas, plan.finished_seq_ids, self._forget)
         for seq_id in plan.finished_seq_ids:
             self._forget(seq_id)
         for new in plan.new_seqs:

@@ -62,6 +62,8 @@ def seq_output_to_proto(out: SeqOutput) -> scheduler_pb2.SeqOutput:
         msg.has_prompt_logprobs = True
         _lps_to_proto(out.prompt_logprobs, msg.prompt_logprobs)
     stop_to_proto(out.stop_reason, msg.stop_reason)
+    if out.cumulative_logprob is not None:
+        msg.cumulative_logprob = out.cumulative_logprob
     return msg
 
 
@@ -78,4 +80,5 @@ def seq_output_from_proto(request_id: str, msg: scheduler_pb2.SeqOutput) -> SeqO
         num_cached_tokens=msg.num_cached_tokens,
         num_draft_tokens=msg.num_draft_tokens,
         num_accepted_tokens=msg.num_accepted_tokens,
+        cumulative_logprob=msg.cumulative_logprob if msg.HasField("cumulative_logprob") else None,
     )

@@ -6,6 +6,9 @@ from engine_core.sampling_params import SamplingParams
 from services.convert.structured_outputs import structured_outputs_from_proto, structured_outputs_to_proto
 from services.rpc import common_pb2
 
+# SamplingOptions.early_stopping's strings; anything else is refused by SamplingParams, naming the field.
+_EARLY_STOPPING: dict[str, bool | str] = {"": False, "false": False, "true": True, "never": "never"}
+
 # Optional scalar fields that map 1:1 onto SamplingParams attributes.
 _SCALARS = (
     "n",
@@ -51,9 +54,19 @@ def params_from_proto(opts: common_pb2.SamplingOptions, *, internal: bool = Fals
         kwargs["structured_outputs"] = structured_outputs_from_proto(opts.structured_outputs)
     if internal and opts.bad_words_token_ids:
         kwargs["bad_words_token_ids"] = [list(seq.token_ids) for seq in opts.bad_words_token_ids]
+    if opts.use_beam_search:
+        kwargs["use_beam_search"] = True
+        kwargs.setdefault("temperature", 0.0)  # NOTE: unset means greedy here: beam search is deterministic
+        if opts.HasField("beam_width"):
+            kwargs["beam_width"] = opts.beam_width
+        if opts.HasField("length_penalty"):
+            kwargs["length_penalty"] = opts.length_penalty
+        kwargs["early_stopping"] = _EARLY_STOPPING.get(opts.early_stopping, opts.early_stopping)
     params = SamplingParams(**kwargs)  # type: ignore[arg-type]
     if internal and opts.HasField("eos_token_id"):
         params.eos_token_id = opts.eos_token_id
+    if internal:
+        params.num_beam_candidates = opts.num_beam_candidates
     return params
 
 
@@ -87,4 +100,11 @@ def params_to_proto(params: SamplingParams, *, with_stop_strings: bool = True) -
         opts.eos_token_id = params.eos_token_id
     if params.structured_outputs is not None:
         structured_outputs_to_proto(params.structured_outputs, opts.structured_outputs)
+    opts.num_beam_candidates = params.num_beam_candidates
+    if params.use_beam_search:
+        opts.use_beam_search = True
+        if params.beam_width is not None:
+            opts.beam_width = params.beam_width
+        opts.length_penalty = params.length_penalty
+        opts.early_stopping = str(params.early_stopping).lower()
     return opts

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from engine_core.plan import (
+    BeamDelta,
     CachedSequenceData,
     LogprobsTensors,
     ModelRunnerOutput,
@@ -28,6 +29,8 @@ def plan_to_proto(plan: SchedulerOutput, *, epoch: str, step: int) -> worker_pb2
     )
     for seq_id, drafts in plan.scheduled_spec_decode_tokens.items():
         msg.spec_decode_tokens.add(seq_id=seq_id, token_ids=drafts)
+    for d in plan.beam_deltas:
+        msg.beam_deltas.add(seq_id=d.seq_id, parent_seq_id=d.parent_seq_id, token=d.token, block_ids=d.block_ids)
     for new in plan.new_seqs:
         seq = msg.new_seqs.add(
             seq_id=new.seq_id,
@@ -72,6 +75,7 @@ def plan_from_proto(msg: worker_pb2.ExecuteRequest) -> SchedulerOutput:
         finished_seq_ids=list(msg.finished_seq_ids),
         copy_blocks=list(zip(msg.copy_src, msg.copy_dst, strict=True)),
         scheduled_spec_decode_tokens={d.seq_id: list(d.token_ids) for d in msg.spec_decode_tokens},
+        beam_deltas=[BeamDelta(d.seq_id, d.parent_seq_id, d.token, list(d.block_ids)) for d in msg.beam_deltas],
     )
     plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
     return plan

@@ -81,6 +81,8 @@ class ApiLimits:
 
     def check_params(self, params: SamplingParams) -> None:
         _check_count("n", params.n, self.max_n)
+        if params.beam_width is not None:
+            _check_count("beam_width", params.beam_width, self.max_n)
         stops = params.stop if isinstance(params.stop, list) else []
         _check_count("stop", len(stops), self.max_stop_strings, "strings")
         for s in stops:

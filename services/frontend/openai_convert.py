@@ -43,16 +43,28 @@ _PASSTHROUGH = (
     "prompt_logprobs",
     "bad_words",
     "allowed_token_ids",
+    "length_penalty",
+    "early_stopping",
 )
 
 
 def _params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    beam_width: int | None = None,
 ) -> SamplingParams:
     if req.stream and req.prompt_logprobs:
         # NOTE: as vLLM: the HTTP stream has no place for them (gRPC streams them)
         raise RequestError.invalid("prompt_logprobs are not available with stream: true", "prompt_logprobs")
     kwargs: dict[str, object] = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
+    if req.use_beam_search:
+        kwargs["use_beam_search"] = True
+        kwargs["beam_width"] = beam_width
+        kwargs.setdefault("temperature", 0.0)  # NOTE: unset means greedy: beam search is deterministic
+    else:
+        kwargs.pop("length_penalty", None)
+        kwargs.pop("early_stopping", None)
     if req.stop is not None:
         kwargs["stop"] = req.stop
     if req.logit_bias:
@@ -76,8 +88,8 @@ def completion_inputs(
     """One input per prompt (the completions API takes a batch of prompts)."""
     if req.suffix is not None:
         raise RequestError.invalid("suffix is not supported")
-    if req.best_of is not None and req.best_of != req.n:
-        raise RequestError.invalid("best_of must equal n (beam search and best-of are not supported)")
+    if req.best_of is not None and req.best_of != req.n and not req.use_beam_search:
+        raise RequestError.invalid("best_of must equal n (best-of sampling is not supported)", "best_of")
     p = req.prompt
     batch = isinstance(p, list) and bool(p) and not isinstance(p[0], int)
     if max_prompts is not None and batch and len(p) > max_prompts:
@@ -94,7 +106,7 @@ def completion_inputs(
         prompts = [PromptInput(token_ids=list(x), truncate_prompt_tokens=cut) for x in p]  # type: ignore[arg-type]
     else:
         raise RequestError.invalid("prompt must be a string, a list of strings, token ids or lists of token ids")
-    params = _params(req, req.max_tokens, req.logprobs)
+    params = _params(req, req.max_tokens, req.logprobs, req.best_of)
     if req.echo and req.logprobs is not None and params.prompt_logprobs is None and not req.stream:
         params.prompt_logprobs = req.logprobs  # NOTE: as vLLM: echo's logprobs cover the prompt's tokens too
     return [
@@ -126,6 +138,8 @@ def chat_input(
     if tools is not None and tools.structured_outputs is not None:
         if params.structured_outputs is not None:
             raise RequestError.invalid("tool_choice required or a named function cannot be combined with a constraint")
+        if params.use_beam_search:
+            raise RequestError.invalid("tool_choice required or a named function is not supported with beam search")
         try:
             # NOTE: a tool's parameters are valid JSON Schema (tool_calls checks the meta-schema) but may use a keyword
             # the grammar engine does not support: that is the request's tools' fault, a 400 before any engine work.

@@ -70,6 +70,11 @@ class _SamplingFields(_Request):
     prompt_logprobs: int | None = None
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
+    # Beam search (vLLM's extension fields): n of the beam width's best hypotheses come back; the width is best_of
+    # on completions (default n), n on chat.
+    use_beam_search: bool = False
+    length_penalty: float | None = None
+    early_stopping: bool | str | None = None
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None

@@ -187,6 +187,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             # NOTE: the engine's own admission limits (frozen RequestLimits, so safe from this thread), checked here
             # so a bad request fails its RPC instead of failing later on the engine thread.
             core.check_request(len(request.prompt_token_ids), params.n)
+            if params.use_beam_search:
+                width = params.n if params.beam_width is None else params.beam_width
+                core.limits.check_beam(len(request.prompt_token_ids), width, params.max_tokens)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return Request(

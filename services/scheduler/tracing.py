@@ -65,6 +65,11 @@ def record_request(tracer: trace.Tracer, span: Span, request: Request) -> None:
     if t.num_draft_tokens:
         attrs["pagoda.spec_decode.num_draft_tokens"] = t.num_draft_tokens
         attrs["pagoda.spec_decode.num_accepted_tokens"] = t.num_accepted_tokens
+    if t.beam is not None:
+        attrs["gen_ai.request.beam_width"] = t.beam.width
+        attrs["pagoda.beam.steps"] = t.beam.steps
+        attrs["pagoda.beam.forked"] = t.beam.forked
+        attrs["pagoda.beam.pruned"] = t.beam.pruned
     if scheduled is not None:
         attrs["gen_ai.latency.time_in_queue"] = scheduled - t.arrival
     if t.first_token is not None:

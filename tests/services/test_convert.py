@@ -131,3 +131,17 @@ def test_one_cache_dir_rule(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -
     assert cpu_kernels._build_dir().parent.parent == Path(default_cache_dir())
     monkeypatch.delenv("PAGODA_CACHE")
     assert cpu_kernels._build_dir().parent.parent == Path(default_cache_dir())
+
+
+def test_beam_search_options_round_trip_and_default_to_greedy() -> None:
+    params = SamplingParams(
+        n=2, use_beam_search=True, beam_width=4, temperature=0.0, length_penalty=0.5, early_stopping="never"
+    )
+    assert params_from_proto(params_to_proto(params), internal=True) == params
+    opts = common_pb2.SamplingOptions(n=2, use_beam_search=True, early_stopping="true")
+    back = params_from_proto(opts)  # an unset temperature means greedy with beam search
+    assert back.temperature == 0.0 and back.early_stopping is True and back.beam_width is None
+    with pytest.raises(ValueError, match=r"^early_stopping must be True, False or 'never'"):
+        params_from_proto(common_pb2.SamplingOptions(use_beam_search=True, early_stopping="sometimes"))
+    with pytest.raises(ValueError, match=r"^temperature must be 0 with beam search"):
+        params_from_proto(common_pb2.SamplingOptions(use_beam_search=True, temperature=0.8))

@@ -154,3 +154,38 @@ def test_dropped_sse_connection_aborts_the_request(
     while stats(scheduler_stats).free_blocks != before:
         assert time.monotonic() < deadline, "the request kept running after the client went away"
         time.sleep(0.05)
+
+
+def test_beam_search_over_completions_and_chat(oai: openai.OpenAI) -> None:
+    """vLLM's extension fields: use_beam_search, best_of = the width, n = the hypotheses returned; the answer is the
+    search's final beams (a stream sends them at its end)."""
+    body = {"use_beam_search": True, "length_penalty": 1.0, "ignore_eos": True}
+    out = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, n=2, best_of=4,
+                                 extra_body=body)  # fmt: skip
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.choices[0].text != out.choices[1].text and all(c.finish_reason == "length" for c in out.choices)
+    assert out.usage is not None and out.usage.completion_tokens == 12
+    streamed = oai.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, n=2, best_of=4,
+                                      stream=True, extra_body=body)  # fmt: skip
+    texts = {0: "", 1: ""}
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == {0: out.choices[0].text, 1: out.choices[1].text}
+    chat = oai.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, n=2,
+        extra_body={"use_beam_search": True, "early_stopping": True},
+    )  # fmt: skip
+    assert len(chat.choices) == 2 and all(c.message.content for c in chat.choices)
+    for extra, field in (
+        ({"temperature": 0.7}, "temperature"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"best_of": 2, "n": 3}, "n"),
+        ({"early_stopping": "sometimes"}, "early_stopping"),
+    ):
+        kwargs: dict = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "n": 2, "extra_body": {**body}}
+        kwargs.update({k: v for k, v in extra.items() if k in ("temperature", "logprobs", "best_of", "n")})
+        kwargs["extra_body"].update({k: v for k, v in extra.items() if k == "early_stopping"})
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(**kwargs)
+        assert info.value.body["param"] == field, info.value.body  # type: ignore[index]
