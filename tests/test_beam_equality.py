@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from engine_core import LLM, BeamSearchParams
 from engine_core.checkpoint.model_dir import transformers_kwargs
+from tests.hf_reference import hf_beams
 
 pytestmark = pytest.mark.slow
 
@@ -32,35 +33,6 @@ def hf_model(smollm2_dir: str) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def llm(smollm2_dir: str) -> LLM:
     return LLM(smollm2_dir, kv_cache_memory=0.5)
-
-
-def hf_beams(
-    model: torch.nn.Module, ids: list[int], params: BeamSearchParams, eos: list[int] | None
-) -> list[list[int]]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([ids]),
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-            num_beams=params.beam_width,
-            num_return_sequences=params.num_returned,
-            do_sample=False,
-            max_new_tokens=params.max_tokens,
-            length_penalty=params.length_penalty,
-            early_stopping=params.early_stopping,
-            eos_token_id=eos,
-            pad_token_id=eos[0] if eos else 0,
-            # NOTE: the checkpoint's generation config may set sampling knobs; beam search here uses none of them.
-            temperature=None,
-            top_p=None,
-            top_k=None,
-            repetition_penalty=None,
-        )
-    beams = []
-    for row in out[:, len(ids) :].tolist():
-        # NOTE: a hypothesis ends at its first stop token (no running beam continues past one); the rest is padding.
-        ends = [i for i, t in enumerate(row) if t in (eos or [])]
-        beams.append(row[: ends[0] + 1] if ends else row)
-    return beams
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from engine_core.sampling_params import SamplingParams, with_eos
 from engine_core.worker.model_runner import ModelRunner
 from services.convert.outputs import seq_output_from_proto, seq_output_to_proto
 from services.convert.plan import plan_from_proto, plan_to_proto, result_from_proto, result_to_proto
+from tests.hf_reference import hf_beams
 
 BLOCKS = 256
 MAX_MODEL_LEN = 64
@@ -54,30 +55,6 @@ def engine_beams(
         assert not out.error
         result[int(out.request_id)].append(out.new_token_ids)
     return result
-
-
-def hf_beams(
-    model: torch.nn.Module, prompt: list[int], params: BeamSearchParams, eos: list[int] | None
-) -> list[list[int]]:
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            num_beams=params.beam_width,
-            num_return_sequences=params.num_returned,
-            do_sample=False,
-            max_new_tokens=params.max_tokens,
-            length_penalty=params.length_penalty,
-            early_stopping=params.early_stopping,
-            eos_token_id=eos,
-            pad_token_id=eos[0] if eos else 0,
-        )
-    beams = []
-    for row in out[:, len(prompt) :].tolist():
-        # NOTE: a hypothesis ends at its first stop token (no running beam continues past one); the rest is padding.
-        ends = [i for i, t in enumerate(row) if t in (eos or [])]
-        beams.append(row[: ends[0] + 1] if ends else row)
-    return beams
 
 
 # NOTE: 36 and 82 are tokens these prompts' beams reach within the budget, so hypotheses end on a stop token (and
