@@ -8,7 +8,6 @@ foreign K/V or an unknown token. The last test runs the real ModelRunner on its 
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -31,6 +30,7 @@ from tests.scheduler_sim import (
     workload_requests,
     workloads,
 )
+from tests.threaded_runner import ThreadedRunner
 
 MAX_LEN = 24  # max_model_len of every core here
 
@@ -253,20 +253,6 @@ def test_aborts_and_stop_strings_while_a_step_is_in_flight(
     assert core.scheduler.kv.pool.num_free == num_blocks
     assert all(s.is_finished for r in requests for s in r.seqs)
     assert core.scheduler.requests == {} and core.scheduler.seqs == {}
-
-
-class ThreadedRunner:
-    """The real ModelRunner behind `submit`: steps run on one thread, in order, while the caller goes on."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.pool = ThreadPoolExecutor(max_workers=1)
-
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(plan)
-
-    def submit(self, plan: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        return self.pool.submit(self.runner.execute, plan)
 
 
 def test_the_model_runner_gives_the_same_tokens_with_steps_planned_ahead(tiny_dir: Path) -> None:

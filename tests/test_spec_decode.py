@@ -4,7 +4,6 @@ and length limits cut an accepted run, preemption with drafts in flight recomput
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,6 @@ import torch
 from engine_core.config import EngineConfig
 from engine_core.core.request import FinishReason, Request
 from engine_core.engine import EngineCore
-from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.sample.sampler import Sampler
 from engine_core.sample.sampling_batch import SamplingBatch
 from engine_core.sampling_params import SamplingParams
@@ -25,24 +23,11 @@ from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.model_runner import ModelRunner
 from engine_core.worker.spec_verify import Verification
 from engine_core.worker.step_sampling import sample_step
+from tests.threaded_runner import ThreadedRunner
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 # Prompts whose continuations repeat (the random model loops on them), so drafts are proposed and accepted.
 PROMPTS = [[5, 6, 7, 8] * 4, [3, 17, 5, 99, 42, 3, 17, 5], [1, 2, 3, 1, 2, 3, 1, 2], [9, 9, 9, 9]]
-
-
-class ThreadedRunner:
-    """The real runner behind `submit`, on its own thread: EngineCore pipelines steps as with remote workers."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        self.pool = ThreadPoolExecutor(max_workers=1)
-
-    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(plan)
-
-    def submit(self, plan: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        return self.pool.submit(self.runner.execute, plan)
 
 
 def make_core(model_dir: Path, spec: dict | None, backend: str = "cpu", pipelined: bool = False, **kw) -> EngineCore:
