@@ -10,6 +10,8 @@ from typing import Any
 METHODS = ("ngram", "suffix", "draft_model")
 IMPLEMENTED = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
+# NOTE: the proposer compares every window of the sequence once per n-gram length it tries: bounded per step.
+MAX_PROMPT_LOOKUP = 32
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,8 @@ class SpeculativeConfig:
             raise bad(
                 "num_speculative_tokens", f"must be <= {MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
             )
+        if self.prompt_lookup_max > MAX_PROMPT_LOOKUP:
+            raise bad("prompt_lookup_max", f"must be <= {MAX_PROMPT_LOOKUP}, got {self.prompt_lookup_max}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise bad("prompt_lookup_min", f"({self.prompt_lookup_min}) must be <= prompt_lookup_max")
 
