@@ -109,6 +109,20 @@ class EngineCore:
             beam = group_for(request, self.max_model_len)
         self.scheduler.add_request(request, beam)
 
+    def readmit(self, request: Request) -> None:
+        """Takes over a request that ran on another EngineCore whose workers failed (services' failover): its
+        unfinished choices resume as recompute-preempted sequences, continuing after the tokens they already
+        reported; a step whose results never arrived is redone. A beam search restarts from its prompt.
+        NOTE: a beam search streams nothing until it ends, so a restart loses no reported token and (deterministic)
+        returns what the lost run would have; rebuilding a group's live beams, scores and shared blocks would not be
+        simpler. Raises ValueError like `add_request`."""
+        if request.sampling_params.use_beam_search:
+            request.seqs = []
+            self.add_request(request)
+            return
+        self.scheduler.check_request(request.num_prompt_tokens, request.sampling_params.n)
+        self.scheduler.readmit_request(request)
+
     def has_request(self, request_id: str) -> bool:
         """Whether the request is still in the engine (unfinished)."""
         return request_id in self.scheduler.requests
@@ -210,13 +224,19 @@ class EngineCore:
             seq = seqs.get(seq_id)
             if seq is None:
                 continue
-            k = seq.request.sampling_params.prompt_logprobs or 0
+            request = seq.request
+            # NOTE: a recomputed prefill (preempted, re-admitted) computes positions it already reported: not resent.
+            skip = max(0, request.prompt_logprobs_end - plp.start)
+            rows = tensor_rows(plp.tensors, slice(skip, None), request.sampling_params.prompt_logprobs or 0)
+            if not rows:
+                continue
+            request.prompt_logprobs_end = plp.start + skip + len(rows)
             outputs[seq_id] = SeqOutput(
-                seq.request.request_id,
+                request.request_id,
                 seq.index,
                 [],
-                prompt_logprobs=tensor_rows(plp.tensors, slice(None), k),
-                prompt_logprobs_start=plp.start,
+                prompt_logprobs=rows,
+                prompt_logprobs_start=plp.start + skip,
                 num_cached_tokens=max(seq.num_cached_tokens, 0),
             )
         failed: list[Request] = []

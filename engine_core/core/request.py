@@ -86,6 +86,9 @@ class Request:
     timings: RequestTimings = field(default_factory=RequestTimings)
     seqs: list[Sequence] = field(default_factory=list)
     arrival_index: int = 0  # tie-break for equal priorities and arrival times (FCFS)
+    # Prompt positions [1, end) whose logprobs were reported: a recomputed prefill (preemption, re-admission) sends
+    # only those after it.
+    prompt_logprobs_end: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

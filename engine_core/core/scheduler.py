@@ -85,6 +85,31 @@ class Scheduler:
                 beam.start(request, seq)
                 self.beam_groups[request.request_id] = beam
 
+    def readmit_request(self, request: Request) -> None:
+        """Takes over a request that was running on another scheduler (its workers failed): each unfinished choice
+        comes back as a recompute-preempted sequence with the tokens it already has, so the stream continues where
+        it was. Finished choices stay finished (renumbered: seq ids belong to the scheduler that made them).
+        NOTE: the worker rebuilds what a resumed sequence needs from its tokens, as after a preemption: the seeded
+        RNG restarts at the number of outputs, a grammar matcher replays them, drafts are proposed afresh."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        old, request.seqs = request.seqs, []
+        request.arrival_index = next(self._arrivals)
+        self.requests[request.request_id] = request
+        now = time.monotonic()
+        for prev in old:
+            if prev.is_finished:
+                seq = Sequence(next(self._seq_ids), request, prev.index, list(prev.token_ids), prev.num_prompt_tokens)
+                seq.status, seq.finish_reason, seq.stop_reason = prev.status, prev.finish_reason, prev.stop_reason
+                request.seqs.append(seq)
+                continue
+            seq = self._new_seq(request, prev.index, list(prev.token_ids))
+            seq.num_cached_tokens, seq.pending_fork = prev.num_cached_tokens, prev.pending_fork
+            seq.num_preemptions = prev.num_preemptions + 1
+            self.num_preemptions += 1
+            request.timings.events.append(LifecycleEvent(LifecycleKind.PREEMPTED, now, seq.index, seq.num_tokens))
+            self.waiting.append(seq)
+
     def new_sequence(self, request: Request, token_ids: list[int]) -> Sequence:
         """A sequence of `request` that a beam group forks (index set by the group)."""
         return self._new_seq(request, 0, token_ids)
