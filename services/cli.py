@@ -83,6 +83,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from services.common.logs import configure_logging
     from services.common.threads import default_worker_threads
     from services.launcher import LaunchConfig, LocalCluster
+    from services.supervisor import Supervisor
 
     configure_logging("serve")
     if not 1 <= args.replicas <= 16:
@@ -124,18 +125,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"\n> {args.prompt}", file=sys.stderr)
             stream_generation(cluster.frontend_addr, args)
         print("\nserving until Ctrl-C", file=sys.stderr)
+        # NOTE: with replicas, a dead scheduler is restarted too: the frontend routes around it meanwhile.
+        restartable = ("worker", "scheduler") if args.replicas > 1 else ("worker",)
+        supervisor = Supervisor(cluster, lambda name: name.startswith(restartable))
         while not stop.wait(0.5):
-            dead = [s for s in cluster.services if s.process.poll() is not None]
-            # NOTE: with replicas, a dead scheduler is restarted too: the frontend routes around it meanwhile.
-            restartable = ("worker", "scheduler") if args.replicas > 1 else ("worker",)
-            for s in [s for s in dead if s.name.startswith(restartable)]:
-                # NOTE: as Kubernetes restarts a dead pod: the scheduler fails the worker's requests with
-                # UNAVAILABLE, waits for it, re-initializes its cache and resumes serving.
-                print(f"{s.name} exited with code {s.process.returncode}: restarting it", file=sys.stderr)
-                cluster.restart(s.name)
-            others = [s.name for s in dead if not s.name.startswith(restartable)]
-            if others:
-                print(f"{', '.join(others)} exited: shutting down", file=sys.stderr)
+            gave_up = supervisor.check()
+            if gave_up:
+                print(f"{', '.join(gave_up)} exited: shutting down", file=sys.stderr)
                 return 1
     except KeyboardInterrupt:
         pass

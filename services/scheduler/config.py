@@ -27,7 +27,9 @@ class SchedulerConfig:
     num_kv_blocks: int | None
     speculative_config: SpeculativeConfig | None  # the scheduler proposes the drafts (it owns the tokens)
     max_waiting_requests: int  # beyond this, Submit answers RESOURCE_EXHAUSTED
-    worker_timeout: float  # seconds to wait for the workers at start (and after a worker failure)
+    worker_timeout: float  # seconds to wait for the workers at start
+    # After a worker failure: seconds to re-form the group before the held streams end UNAVAILABLE.
+    worker_reform_timeout: float
     step_timeout: float  # base seconds one Execute may take before the worker counts as failed (hung or dead)
     step_timeout_per_token: float  # plus this much per scheduled token: the deadline scales with the step
     heartbeat_interval: float  # idle: seconds between checks that every worker is alive and on our cache epoch
@@ -51,6 +53,13 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
     add_engine_flags(p, SCHEDULER_FIELDS)
     add_flag(p, "--max-waiting-requests", default=1024, type=int, help="queued requests before RESOURCE_EXHAUSTED")
     add_flag(p, "--worker-timeout", default=600.0, type=float, help="seconds to wait for workers to be ready")
+    add_flag(
+        p,
+        "--worker-reform-timeout",
+        default=120.0,
+        type=float,
+        help="seconds to re-form the workers after a failure before the streams they held end UNAVAILABLE",
+    )
     d = StepDeadline()
     add_flag(p, "--step-timeout", default=d.base_s, type=float, help="base seconds of a step (then: worker hung)")
     add_flag(p, "--step-timeout-per-token", default=d.per_token_s, type=float, help="extra step seconds per token")
@@ -91,6 +100,7 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
         speculative_config=a.speculative_config,
         max_waiting_requests=a.max_waiting_requests,
         worker_timeout=a.worker_timeout,
+        worker_reform_timeout=a.worker_reform_timeout,
         step_timeout=a.step_timeout,
         step_timeout_per_token=a.step_timeout_per_token,
         heartbeat_interval=a.heartbeat_interval,

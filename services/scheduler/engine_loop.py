@@ -29,6 +29,7 @@ from services.common.telemetry import Telemetry
 from services.common.timeutil import monotonic_to_ns
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.executor import RemoteExecutor, StepDeadline, WorkerGroupInfo, WorkerMismatchError
+from services.scheduler.failover import FailureCounts
 from services.scheduler.metrics import RecoveryMetrics, ResetReason, StepMetrics
 from services.scheduler.tracing import StepTracer
 
@@ -127,6 +128,7 @@ class EngineLoop:
         self.fatal: BaseException | None = None
         self.failures = 0  # worker failures, hangs and failed steps recovered from
         self.recovery = RecoveryMetrics(registry) if registry is not None else None
+        self.failure_counts = FailureCounts()
 
     # ---- called from any thread -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -163,11 +165,16 @@ class EngineLoop:
             self._fail_all(f"scheduler failure: {e}", "UNAVAILABLE")
             self.on_ready(False)
 
-    def _init_engine(self) -> None:
-        """Connects to the workers, sizes and allocates the KV cache, builds a fresh EngineCore."""
+    def _init_engine(self, deadline: float | None = None) -> bool:
+        """Connects to the workers, sizes and allocates the KV cache (InitCache under a new epoch on every rank),
+        builds a fresh EngineCore. Retries until it succeeds, the loop stops or the monotonic `deadline` passes
+        (returns False then)."""
         while not self._stopping:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
             try:
-                info = self.executor.connect(self.config.worker_timeout)
+                info = self.executor.connect(self.config.worker_timeout if left is None else min(left, 60.0))
                 if info.max_num_seqs < self.config.max_num_seqs:
                     raise WorkerMismatchError(
                         f"the workers hold {info.max_num_seqs} sequences per batch but the scheduler's "
@@ -178,9 +185,9 @@ class EngineLoop:
                 break
             except (grpc.RpcError, TimeoutError) as e:
                 log.warning("workers not ready, retrying", workers=self.config.worker_addrs, error=str(e))
-                time.sleep(1.0)
+                time.sleep(1.0 if left is None else max(0.0, min(1.0, left)))
         else:
-            return
+            return False
         engine_config = EngineConfig(
             block_size=info.block_size,
             max_model_len=info.max_model_len,
@@ -207,6 +214,7 @@ class EngineLoop:
         self._publish_stats()
         log.info("engine ready", workers=len(self.config.worker_addrs), blocks=num_blocks, model=info.model)
         self.on_ready(True)
+        return True
 
     def _iteration(self) -> None:
         core = self.core
@@ -365,30 +373,75 @@ class EngineLoop:
         return kept
 
     def _recover(self, error: str, code: str, reason: ResetReason) -> None:
-        """A worker failed, hung or a step raised: the requests that ran on the workers fail (UNAVAILABLE: retry);
-        the workers are reset under a new epoch (same cache size) and a fresh EngineCore (empty prefix cache) takes
-        over, with the requests that were still queued. Waits for the workers to come back (a restarted worker)."""
-        log.error("failing the affected requests and re-initializing the workers", error=error, reason=reason.value)
+        """A worker failed, hung or lost its cache (`code` UNAVAILABLE), or a step raised (INTERNAL): the group is
+        re-formed (every rank reset under a new epoch, the cache re-initialised) and a fresh EngineCore (empty prefix
+        cache) takes over. After a worker failure the requests that ran on the workers resume on it, recomputed
+        (`EngineCore.readmit`), except poison ones (failover.py); after a step error their state is suspect and they
+        fail. If the group is not back within --worker-reform-timeout, the waiting streams end UNAVAILABLE
+        (retryable) and the scheduler keeps trying for new requests."""
+        started = time.monotonic()
+        log.error("worker group failed: re-forming it", error=error, reason=reason.value)
         self.failures += 1
+        model = self.info.model if self.info is not None else ""
         if self.recovery is not None and self.info is not None:
-            self.recovery.reset(self.info.model, reason)
+            self.recovery.reset(model, reason)
         self.on_ready(False)
-        kept = self._fail_all(error, code, keep_unscheduled=True)
+        if code == "UNAVAILABLE":
+            held = list(self._requests.values())
+            self._requests.clear()
+            triage = self.failure_counts.triage(held)
+            events: Events = {}
+            for request in triage.poison:
+                self._fail(
+                    request, f"{error} (in flight at {self.failure_counts.strikes} worker group failures)", code, events
+                )
+            self._flush(events)
+            kept = triage.resume
+        else:
+            kept = self._fail_all(error, code, keep_unscheduled=True)
+            triage = None
         self.core = None
         self._publish_stats()
-        self._init_engine()
-        core = self.core
-        if core is None:  # stopping
-            self._fail_all(error, code)
+        if not self._init_engine(deadline=started + self.config.worker_reform_timeout):
+            why = f"{error}; the worker group was not re-formed within {self.config.worker_reform_timeout:g} s"
+            events = {}
             for request in kept:
-                self._fail(request, error, code, {})
-            return
-        events: Events = {}
+                self._fail(request, why if not self._stopping else error, code, events)
+            self._flush(events)
+            if self._stopping or not self._init_engine():  # NOTE: keeps trying, for the requests still to come
+                return
+            kept = []
+        core = self.core
+        assert core is not None
+        events = {}
         for request in kept:
-            # NOTE: a fresh engine: the request's seqs belonged to the old one (never scheduled, so no state lost).
-            request.seqs = []
-            self._apply_isolated(core, _Add(request), events)
+            self._readmit(core, request, events)
         self._flush(events)
+        resumed = sum(1 for r in kept if self._requests.get(r.request_id) is r and r.timings.first_scheduled)
+        if self.recovery is not None and triage is not None:
+            self.recovery.failover(model, resumed, len(triage.poison))
+        log.info(
+            "worker group re-formed",
+            reason=reason.value,
+            seconds=round(time.monotonic() - started, 3),
+            resumed=resumed,
+            queued=len(kept) - resumed,
+            failed_as_poison=len(triage.poison) if triage is not None else 0,
+        )
+
+    def _readmit(self, core: EngineCore, request: Request, events: Events) -> None:
+        """One held request onto the fresh engine; if that raises, it alone fails (INTERNAL)."""
+        try:
+            if request.timings.first_scheduled is None:
+                request.seqs = []  # NOTE: never scheduled: nothing to carry over, it starts as new
+                core.add_request(request)
+            else:
+                core.readmit(request)
+        except Exception as e:
+            log.exception("re-admission failed", request_id=request.request_id)
+            self._fail(request, f"failed while resuming the request: {type(e).__name__}: {e}", "INTERNAL", events)
+            return
+        self._requests[request.request_id] = request
 
     def _publish_stats(self) -> None:
         core = self.core

@@ -24,7 +24,7 @@ class StepMetrics:
 
 
 class ResetReason(Enum):
-    """Why the scheduler failed the requests on its workers and re-initialized them (`EngineLoop._recover`)."""
+    """Why the scheduler re-formed its worker group (`EngineLoop._recover`)."""
 
     STEP_DEADLINE = "step_deadline"  # a step's Execute passed its deadline (a hung or overloaded worker)
     WORKER_ERROR = "worker_error"  # a step's Execute failed otherwise (a worker died or answered an error)
@@ -38,7 +38,7 @@ class RecoveryMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.resets = Counter(
             PREFIX + "worker_resets",
-            "Times the scheduler failed the requests on its workers and re-initialized them, by reason.",
+            "Times the scheduler re-formed its worker group (all ranks reset, the cache re-initialised), by reason.",
             [MODEL_LABEL, "reason"],
             registry=registry,
         )
@@ -48,14 +48,32 @@ class RecoveryMetrics:
             [MODEL_LABEL],
             registry=registry,
         )
+        self.resumed = Counter(
+            PREFIX + "failover_resumed_requests",
+            "Requests that were running when the worker group failed and resumed on the re-formed group.",
+            [MODEL_LABEL],
+            registry=registry,
+        )
+        self.poison = Counter(
+            PREFIX + "failover_poison_requests",
+            "Requests failed (UNAVAILABLE) for being in flight at consecutive worker group failures.",
+            [MODEL_LABEL],
+            registry=registry,
+        )
 
     def start(self, model_name: str) -> None:
         """Every series at 0 once the model is known, so rate() and alerts see a reset from the first one."""
         for reason in ResetReason:
             self.resets.labels(model_name, reason.value)
         self.deadline_misses.labels(model_name)
+        self.resumed.labels(model_name)
+        self.poison.labels(model_name)
 
     def reset(self, model_name: str, reason: ResetReason) -> None:
         self.resets.labels(model_name, reason.value).inc()
         if reason is ResetReason.STEP_DEADLINE:
             self.deadline_misses.labels(model_name).inc()
+
+    def failover(self, model_name: str, resumed: int, poison: int) -> None:
+        self.resumed.labels(model_name).inc(resumed)
+        self.poison.labels(model_name).inc(poison)

@@ -142,3 +142,18 @@ def test_worker_resets_by_reason_and_missed_deadlines() -> None:
     resets = {dict(k[1])["reason"]: v for k, v in s.items() if k[0] == "pagoda:worker_resets_total"}
     assert resets == {"step_deadline": 1, "worker_error": 0, "heartbeat": 1, "step_error": 0}
     assert s[("pagoda:step_deadline_misses_total", (("model_name", MODEL),))] == 1
+
+
+def test_failover_counters_start_at_zero_and_count() -> None:
+    registry = CollectorRegistry()
+    m = RecoveryMetrics(registry)
+    m.start(MODEL)
+    key = (("model_name", MODEL),)
+    s = samples(registry)
+    assert s[("pagoda:failover_resumed_requests_total", key)] == 0
+    assert s[("pagoda:failover_poison_requests_total", key)] == 0
+    m.failover(MODEL, resumed=3, poison=1)
+    m.failover(MODEL, resumed=2, poison=0)
+    s = samples(registry)
+    assert s[("pagoda:failover_resumed_requests_total", key)] == 5
+    assert s[("pagoda:failover_poison_requests_total", key)] == 1
