@@ -14,6 +14,7 @@ from engine_core.core.seq_output import SeqOutput
 from engine_core.engine import EngineCore
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output.params import StructuredOutputsParams
 from engine_core.worker.model_runner import ModelRunner
 from tests.threaded_runner import ThreadedRunner
 
@@ -130,3 +131,30 @@ def test_readmit_refuses_an_id_in_use(tiny_dir: Path) -> None:
     core.add_request(request)
     with pytest.raises(ValueError, match="already in use"):
         core.readmit(Request("dup", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=4)))
+
+
+@pytest.mark.parametrize("fail_at", [4, 8])
+def test_structured_output_resumes_with_its_matcher_replayed(tiny_vocab_dir: Path, fail_at: int) -> None:
+    """A grammar-constrained sampled request (n=2) moved mid-output: the worker's matcher replays the tokens it had,
+    so the resumed choices stay in the grammar and equal the undisturbed ones."""
+
+    def request() -> Request:
+        so = StructuredOutputsParams(regex=r"[a-c]{3}-[0-9]{4,8}")
+        params = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=16, structured_outputs=so)
+        return Request("so", [1, 28, 314, 15], params)
+
+    expected: Result = {}
+    core = make_core(tiny_vocab_dir, None, pipelined=False, spec=None)
+    core.add_request(request())
+    run(core, expected, {})
+    failing = make_core(tiny_vocab_dir, fail_at, pipelined=False, spec=None)
+    moved = request()
+    failing.add_request(moved)
+    result: Result = {}
+    with pytest.raises(WorkerDied):
+        run(failing, result, {})
+    assert any(tokens for tokens, _ in result.values()), "the fault came before any output"
+    fresh = make_core(tiny_vocab_dir, None, pipelined=False, spec=None)
+    fresh.readmit(moved)
+    run(fresh, result, {})
+    assert result == expected
