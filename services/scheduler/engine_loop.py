@@ -129,6 +129,7 @@ class EngineLoop:
         self.failures = 0  # worker failures, hangs and failed steps recovered from
         self.recovery = RecoveryMetrics(registry) if registry is not None else None
         self.failure_counts = FailureCounts()
+        self._failed_at: float | None = None  # when the last group failure with requests resumed was detected
 
     # ---- called from any thread -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -247,6 +248,9 @@ class EngineLoop:
             self._flush(events)
             self._recover(f"scheduler step failed: {type(e).__name__}: {e}", "INTERNAL", ResetReason.STEP_ERROR)
             return
+        if self._failed_at is not None and outputs:
+            log.info("streams resumed", seconds=round(time.monotonic() - self._failed_at, 3))  # failure -> first token
+            self._failed_at = None
         if self.executor.last_worker_s:
             self._steps += 1
             self._step_s += time.perf_counter() - t0
@@ -418,6 +422,7 @@ class EngineLoop:
             self._readmit(core, request, events)
         self._flush(events)
         resumed = sum(1 for r in kept if self._requests.get(r.request_id) is r and r.timings.first_scheduled)
+        self._failed_at = started if resumed else None
         if self.recovery is not None and triage is not None:
             self.recovery.failover(model, resumed, len(triage.poison))
         log.info(

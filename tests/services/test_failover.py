@@ -99,6 +99,8 @@ def test_pagoda_serve_restarts_a_sigkilled_worker_and_its_stream_resumes(tmp_pat
         assert serve.poll() is None
         wait_until(lambda: all_blocks_free(f"127.0.0.1:{scheduler_port}"), 30, "every block free")
         assert "process restarted" in (tmp_path / "serve.log").read_text()
+        scheduler_log = (tmp_path / "scheduler.log").read_text()
+        assert '"worker group re-formed"' in scheduler_log and '"streams resumed"' in scheduler_log
     except Exception:
         print_logs(tmp_path)
         raise
