@@ -28,7 +28,8 @@ UNSEEDED = SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)  # th
 ENGINE = dict(kv_cache_memory=0.01, max_num_batched_tokens=32)
 
 
-def _tiny(path: Path, smollm2_dir: str, gguf: bool = False) -> Path:
+def tiny_llama(path: Path, smollm2_dir: str, gguf: bool = False) -> Path:
+    """A random Llama of 4 heads / 2 KV heads (splits over 1, 2 and 4 ranks) with SmolLM2's tokenizer beside it."""
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -56,7 +57,7 @@ def _tiny(path: Path, smollm2_dir: str, gguf: bool = False) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: str) -> Path:
-    return _tiny(tmp_path_factory.mktemp("tp-tiny"), smollm2_dir)
+    return tiny_llama(tmp_path_factory.mktemp("tp-tiny"), smollm2_dir)
 
 
 def _run(llm: LLM) -> dict[str, list]:
@@ -154,7 +155,7 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks() -> None:
 def test_gguf_coded_shards_keep_their_codes(tmp_path: Path, smollm2_dir: str) -> None:
     """A Q4_1 model's shards are whole blocks of 32 (column-parallel: output rows; row-parallel: input blocks), so
     each rank's linears keep the codes, at about half the single rank's bytes each (loading needs no group)."""
-    model_dir = str(_tiny(tmp_path / "coded", smollm2_dir, gguf=True))
+    model_dir = str(tiny_llama(tmp_path / "coded", smollm2_dir, gguf=True))
     whole = ModelRunner(EngineConfig(model=model_dir), model_dir)
     ranks = [ModelRunner(EngineConfig(model=model_dir, tensor_parallel_size=2), model_dir, rank=r) for r in (0, 1)]
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
