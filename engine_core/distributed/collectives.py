@@ -13,13 +13,16 @@ import torch.distributed as dist
 
 
 class CollectiveClock:
-    """Seconds this process spent inside collectives since the last `take` (read once per step)."""
+    """Seconds this process spent inside collectives since the last `take` (the runner takes them once per step into
+    its `StepTimings`), and in all (`total`, for benchmarks)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.total = 0.0
 
     def take(self) -> float:
         s, self.seconds = self.seconds, 0.0
+        self.total += s
         return s
 
 

@@ -20,6 +20,7 @@ from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.selector import create_backend
 from engine_core.checkpoint.model_dir import gguf_file
 from engine_core.config import EngineConfig
+from engine_core.distributed import collectives
 from engine_core.distributed.parallel_state import TensorParallel, kv_heads_per_rank
 from engine_core.host_cpus import usable_cpus
 from engine_core.model.layers.cpu_bfloat16 import cpu_bf16_gemms
@@ -299,6 +300,8 @@ class ModelRunner:
             if prefaulter is not None:
                 prefaulter.resume()
         timings.end = time.perf_counter()
+        if self.tp.size > 1:
+            timings.collective_s = collectives.CLOCK.take()
         return out
 
     def _execute(self, plan: SchedulerOutput, timings: StepTimings) -> ModelRunnerOutput:

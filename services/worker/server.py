@@ -197,7 +197,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         resp.execute_s = end - t0
         compiles, self._compiles[:] = list(self._compiles), []
         if self.metrics is not None:
-            self.metrics.observe_step(resp.execute_s, len(request.scheduled_seq_ids), plan.total_num_scheduled_tokens)
+            self.metrics.observe_step(
+                resp.execute_s,
+                len(request.scheduled_seq_ids),
+                plan.total_num_scheduled_tokens,
+                self.runner.last_timings.collective_s,
+            )
             for event in compiles:
                 self.metrics.observe_grammar(event)
         if self.telemetry is not None and request.trace.traceparent:
@@ -209,7 +214,7 @@ async def serve(config: WorkerConfig, telemetry: Telemetry | None = None) -> Non
     # NOTE: no tracing interceptor: only steps the scheduler traced carry a context (see services/worker/tracing.py).
     server = grpc.aio.server(options=SERVER_OPTIONS)
     registry = service_registry()
-    metrics = WorkerMetrics(registry, model_name(config.engine.model))
+    metrics = WorkerMetrics(registry, model_name(config.engine.model), config.rank, config.engine.tensor_parallel_size)
     serve_metrics(config.host, config.metrics_port, registry, config.tls)
     servicer = WorkerServicer(config, metrics, telemetry)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
