@@ -68,6 +68,8 @@ def form_group(tp: TensorParallel, init_addr: str, device: torch.device) -> None
     if tp.size == 1:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NOTE: NCCL's communicator binds to the current device
     dist.init_process_group(
         backend,
         init_method=f"tcp://{init_addr}",

@@ -15,17 +15,22 @@ from engine_core.worker.step_sampling import StepSample
 
 
 def sample_on_driver(
-    tp: TensorParallel, rows: int, logits: torch.Tensor | None, sample: Callable[[torch.Tensor], StepSample]
+    tp: TensorParallel,
+    rows: int,
+    logits: torch.Tensor | None,
+    sample: Callable[[torch.Tensor], StepSample],
+    device: torch.device,
 ) -> StepSample:
-    """The driver's `sample(logits)`; on the other ranks, a `StepSample` of the driver's tokens alone."""
+    """The driver's `sample(logits)`; on the other ranks, a `StepSample` of the driver's tokens alone. `device`: where
+    the group's collectives run (NCCL broadcasts CUDA tensors only)."""
     if tp.size == 1:
         assert logits is not None
         return sample(logits)
-    tokens = torch.empty(rows, dtype=torch.int64)
+    tokens = torch.empty(rows, dtype=torch.int64, device=device)
     result = None
     if tp.is_driver:
         assert logits is not None
         result = sample(logits)
         tokens.copy_(torch.from_numpy(np.asarray(result.tokens, dtype=np.int64)))
     collectives.broadcast_from_driver(tokens)
-    return result if result is not None else StepSample(tokens.numpy(), None)
+    return result if result is not None else StepSample(tokens.cpu().numpy(), None)

@@ -95,6 +95,8 @@ class ModelRunner:
         self.config = config
         self.tp = TensorParallel(rank, config.tensor_parallel_size)
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None and self.tp.size > 1:
+            self.device = torch.device("cuda", rank)  # NOTE: one GPU per rank, as NCCL needs
         self.dtype = DTYPES[config.resolved_dtype]  # of the activations, the KV cache and the non-GEMM weights
         self.gemm_dtype = self.dtype  # of the linears' weights
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
@@ -349,6 +351,7 @@ class ModelRunner:
             len(sample_seq_ids),
             logits,
             lambda logits: sample_step(self.sampler, self.sampling, logits, sample_seq_ids, sampling_meta),
+            self.device,
         )
         # NOTE: a failed row's sequence ends, but a step planned ahead may still feed its token back: keep it a
         # valid id in the batch.
