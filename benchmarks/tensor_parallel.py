@@ -6,10 +6,14 @@ and the layer loop (what TP decode steps run), TP=1 with 1 thread, TP=2 with 1 t
 32 tokens, 64 new tokens (ignore_eos), offline; reports total tok/s, and for TP=2 the seconds rank 0 spent in
 collectives.
 
+`--mode allreduce`: two processes, one thread each, a gloo group on loopback: the median time of one all-reduce of
+a `[16, 256]` float32 tensor (the tiny model's 16-row decode step) over 2,000 calls: the transfer's own cost.
+
 `--mode memory`: the default model (SmolLM2-135M Q4_1) at `--size` ranks and at 1: each process's RSS after one
 short generate (VmRSS of rank 0 = this process, and of each rank process).
 
     python benchmarks/tensor_parallel.py --mode cost --rounds 2
+    python benchmarks/tensor_parallel.py --mode allreduce
     python benchmarks/tensor_parallel.py --mode memory --size 3
 """
 
@@ -100,6 +104,43 @@ def run_memory(size: int) -> dict[str, list[float]]:
     return out
 
 
+def _allreduce_rank(rank: int, addr: str, out: object) -> None:
+    import statistics
+
+    import torch
+    import torch.distributed as dist
+
+    from engine_core.distributed.parallel_state import TensorParallel, form_group, leave_group
+
+    torch.set_num_threads(1)
+    form_group(TensorParallel(rank, 2), addr, torch.device("cpu"))
+    x = torch.ones(16, 256)
+    times = []
+    for _ in range(2000):
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put(statistics.median(times))  # type: ignore[attr-defined]
+    leave_group()
+
+
+def run_allreduce() -> dict[str, float]:
+    import multiprocessing as mp
+
+    from engine_core.worker.rank_processes import free_loopback_addr
+
+    ctx = mp.get_context("spawn")
+    addr, out = free_loopback_addr(), ctx.Queue()
+    procs = [ctx.Process(target=_allreduce_rank, args=(r, addr, out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    median = out.get()
+    for p in procs:
+        p.join()
+    return {"median_us": round(median * 1e6, 1)}
+
+
 def child(args: argparse.Namespace) -> None:
     if args.mode == "cost":
         size, threads, native = ARMS[args.arm]
@@ -110,7 +151,7 @@ def child(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=("cost", "memory"), default="cost")
+    parser.add_argument("--mode", choices=("cost", "memory", "allreduce"), default="cost")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--size", type=int, default=3)
     parser.add_argument("--arm", help=argparse.SUPPRESS)
@@ -128,6 +169,10 @@ def main() -> None:
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
         return json.loads(out.strip().splitlines()[-1])
 
+    if args.mode == "allreduce":
+        print(run_allreduce())
+        print(f"load average: {os.getloadavg()}")
+        return
     if args.mode == "memory":
         for size in (args.size, 1):
             print(f"TP={size}", fresh("--size", str(size)))
