@@ -18,7 +18,7 @@ import grpc
 import structlog
 
 from engine_core.checkpoint.model_files import model_name, resolve_model_dir
-from engine_core.distributed.parallel_state import form_group
+from engine_core.distributed.parallel_state import form_group, leave_group
 from engine_core.structured_output.backend import GrammarCompile
 from engine_core.worker.host_allocator import retain_freed_memory
 from engine_core.worker.model_runner import ModelRunner
@@ -191,6 +191,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             out = self.runner.execute(plan)
         except Exception:
             self.epoch = ""  # NOTE: the persistent batch may be half-updated: refuse steps until re-initialized
+            if self.runner.tp.size > 1:
+                leave_group()  # NOTE: the peers' collectives of this step fail at once instead of waiting on this rank
             raise
         resp = result_to_proto(out) if request.return_samples else worker_pb2.ExecuteResponse()
         end = time.perf_counter()
