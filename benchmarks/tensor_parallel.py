@@ -113,7 +113,7 @@ def _allreduce_rank(rank: int, addr: str, out: object) -> None:
     from engine_core.distributed.parallel_state import TensorParallel, form_group, leave_group
 
     torch.set_num_threads(1)
-    form_group(TensorParallel(rank, 2), addr, torch.device("cpu"))
+    form_group(TensorParallel(rank, 2), addr, torch.device("cpu"), "allreduce")
     x = torch.ones(16, 256)
     times = []
     for _ in range(2000):

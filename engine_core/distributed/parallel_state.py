@@ -61,9 +61,14 @@ def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
     return max(1, num_kv_heads // size)
 
 
-def form_group(tp: TensorParallel, init_addr: str, device: torch.device) -> None:
+def form_group(tp: TensorParallel, init_addr: str, device: torch.device, epoch: str) -> None:
     """Joins (re-joins) the group at `init_addr` (host:port, rank 0 listens there): gloo on CPU, NCCL on CUDA.
-    Every rank must call it with the same address; it returns when all `tp.size` ranks have joined."""
+    Every rank must call it with the same address and `epoch` (the cache epoch it is formed for); it returns when all
+    `tp.size` ranks have joined.
+
+    NOTE: the rendezvous keys are the epoch's (a `PrefixStore`), and rank 0 keeps one store server for its lifetime:
+    with one key space, a restarted rank that reached the address first rendezvoused with the previous group's
+    leftover keys and went on alone, while rank 0 waited for it (seen: a recovery stuck for minutes)."""
     leave_group()
     if tp.size == 1:
         return
@@ -72,12 +77,27 @@ def form_group(tp: TensorParallel, init_addr: str, device: torch.device) -> None
         torch.cuda.set_device(device)  # NOTE: NCCL's communicator binds to the current device
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{init_addr}",
+        store=dist.PrefixStore(f"pagoda/{epoch}", _store(tp, init_addr)),
         rank=tp.rank,
         world_size=tp.size,
         timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S),
     )
-    log.info("tensor-parallel group formed", rank=tp.rank, size=tp.size, backend=backend, addr=init_addr)
+    log.info("tensor-parallel group formed", rank=tp.rank, size=tp.size, backend=backend, addr=init_addr, epoch=epoch)
+
+
+_server: tuple[str, dist.TCPStore] | None = None  # rank 0's store server and its address, kept across groups
+
+
+def _store(tp: TensorParallel, init_addr: str) -> dist.TCPStore:
+    """Rank 0: its store server at `init_addr` (started once); the others: a client of it (retries until it is up)."""
+    global _server
+    host, _, port = init_addr.rpartition(":")
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    if tp.rank != 0:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    if _server is None or _server[0] != init_addr:
+        _server = (init_addr, dist.TCPStore(host, int(port), is_master=True, timeout=timeout, wait_for_workers=False))
+    return _server[1]
 
 
 def leave_group() -> None:

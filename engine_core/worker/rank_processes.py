@@ -34,6 +34,7 @@ STOP_TIMEOUT_S = 10.0
 class InitCache:
     num_blocks: int
     dist_init_addr: str
+    epoch: str
 
 
 @dataclass
@@ -76,7 +77,7 @@ def _rank_main(config: EngineConfig, model_dir: str, rank: int, conn: Connection
             if isinstance(command, Step):
                 runner.execute(command.plan)
             elif isinstance(command, InitCache):
-                form_group(runner.tp, command.dist_init_addr, runner.device)
+                form_group(runner.tp, command.dist_init_addr, runner.device, command.epoch)
                 runner.reset()
                 runner.init_kv_cache(command.num_blocks)
             else:
@@ -115,9 +116,9 @@ class RankProcesses:
         """Each rank's KV blocks that fit, once its shard is loaded."""
         return [self._recv(rank, START_TIMEOUT_S) for rank in range(1, len(self.procs) + 1)]
 
-    def init_cache(self, num_blocks: int, addr: str) -> None:
+    def init_cache(self, num_blocks: int, addr: str, epoch: str) -> None:
         """Asks every rank to (re-)form the group at `addr` with a fresh cache; rank 0 joins it after this."""
-        self._send(InitCache(num_blocks, addr))
+        self._send(InitCache(num_blocks, addr, epoch))
 
     def send_step(self, plan: SchedulerOutput) -> None:
         self._send(Step(plan))

@@ -4,6 +4,8 @@ output (its sampled tokens) is returned."""
 
 from __future__ import annotations
 
+import uuid
+
 from engine_core.distributed.parallel_state import form_group, leave_group
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.worker.model_runner import ModelRunner
@@ -17,10 +19,10 @@ class TensorParallelExecutor:
 
     def init_cache(self, num_blocks: int) -> None:
         """Forms the group (again: a re-init tears the old one down first) and gives every rank a fresh cache."""
-        addr = free_loopback_addr()
-        self.ranks.init_cache(num_blocks, addr)
+        addr, epoch = free_loopback_addr(), uuid.uuid4().hex
+        self.ranks.init_cache(num_blocks, addr, epoch)
         try:
-            form_group(self.runner.tp, addr, self.runner.device)
+            form_group(self.runner.tp, addr, self.runner.device, epoch)
         except Exception as e:
             raise self.ranks.failure(e) from e
         self.runner.reset()

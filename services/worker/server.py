@@ -136,7 +136,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         runner.reset()
         if runner.tp.size > 1:
             # NOTE: every epoch re-forms the group (a peer may have restarted) and starts a fresh cache
-            form_group(runner.tp, request.dist_init_addr, runner.device)
+            form_group(runner.tp, request.dist_init_addr, runner.device, request.epoch)
             self.num_blocks = 0
         if request.num_blocks != self.num_blocks:
             runner.init_kv_cache(request.num_blocks)
