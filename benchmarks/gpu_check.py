@@ -9,6 +9,9 @@ ones after it, and the JSON file is rewritten after each, so a run cut short sti
 3. `greedy`       a random-weight model with SmolLM2-135M's shapes: greedy tokens of the Triton backend == torch
                   backend == transformers in float32, CUDA-graph decode == eager (asserted); in bfloat16, each
                   implementation's per-position top-1 agreement with float32 (reported, transformers' own beside).
+3b. `tensor_parallel` with two GPUs or more: greedy tokens of `tensor_parallel_size=2` (NCCL, one GPU per rank,
+                  CUDA-graph decode with the all-reduces captured) == one GPU, in float32 (asserted); skipped, and
+                  says so, with fewer GPUs or in a dry run.
 4. `kernel_bench` `benchmarks/kernels_bench.py` at SmolLM2 and Llama-3-8B attention shapes: decode as a fraction of
                   the HBM peak, prefill TFLOP/s, both against SDPA.
 5. `throughput`   `benchmarks/offline_throughput.py`'s workload, Pagoda vs transformers (`generate`, and a plain
@@ -249,11 +252,13 @@ def _greedy_pagoda(
     prompts: list[list[int]],
     n: int,
     enforce_eager: bool = False,
+    tensor_parallel_size: int = 1,
 ) -> list[list[int]]:
     from engine_core import LLM, SamplingParams
 
     llm = LLM(
         str(model_dir),
+        tensor_parallel_size=tensor_parallel_size,
         device=device,
         attention_backend=backend,
         dtype=dtype,
@@ -264,6 +269,7 @@ def _greedy_pagoda(
     )
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.shutdown()
     del llm
     _free_gpu_memory()
     return [o.outputs[0].token_ids for o in outs]
@@ -353,6 +359,21 @@ def section_greedy(c: Check) -> dict[str, object]:
     result["bfloat16_top1_agreement_with_float32"] = _bf16_top1_agreement(model_dir, c.device, prompts)
     assert result["float32_triton_eq_torch_eq_transformers"], {"hf": hf, **fp32}
     assert result.get("float32_cuda_graphs_eq_eager", True), "CUDA-graph decode steps changed the tokens"
+    return result
+
+
+def section_tensor_parallel(c: Check) -> dict[str, object]:
+    gpus = torch.cuda.device_count()
+    if c.dry_run or gpus < 2:
+        return {"skipped": f"tensor parallelism needs 2 GPUs; this machine has {gpus}" + (" (dry run)" * c.dry_run)}
+    model_dir = c.model_dir()
+    gen = torch.Generator().manual_seed(2)
+    vocab = int(c.shapes["vocab_size"])  # type: ignore[call-overload]
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (1, 17, 70, 300)]
+    one = _greedy_pagoda(model_dir, c.device, "triton", "float32", prompts, 32)
+    two = _greedy_pagoda(model_dir, c.device, "triton", "float32", prompts, 32, tensor_parallel_size=2)
+    result: dict[str, object] = {"gpus": gpus, "float32_tp2_eq_tp1": two == one}
+    assert result["float32_tp2_eq_tp1"], {"tp1": one, "tp2": two}
     return result
 
 
@@ -491,6 +512,7 @@ SECTIONS: list[tuple[str, Callable[[Check], dict[str, object]], float]] = [
     ("environment", section_environment, 0),
     ("variants", section_variants, 20),
     ("greedy", section_greedy, 60),
+    ("tensor_parallel", section_tensor_parallel, 60),
     ("kernel_bench", section_kernel_bench, 90),
     ("throughput", section_throughput, 90),
     ("host_profile", section_host_profile, 60),

@@ -73,7 +73,12 @@ class EngineConfig:
     # Model execution
     attention_backend: str | None = _opt(None, "cpu | torch | triton (default: by device)")
     enforce_eager: bool = _opt(False, "no CUDA graphs: decode steps launch every kernel (CUDA + triton backend only)")
-    num_threads: int | None = _opt(None, "torch intra-op threads on CPU (default: torch's, capped by a CPU limit)")
+    num_threads: int | None = _opt(
+        None, "torch intra-op threads on CPU, per rank (default: torch's, capped by the rank's share of a CPU limit)"
+    )
+    # NOTE: vLLM's name. The model is split over this many ranks (engine_core/distributed): the offline LLM starts
+    # ranks 1.. as processes of its own; the services run one worker per rank.
+    tensor_parallel_size: int = _opt(1, "ranks the model is split over (attention heads, MLP columns, vocabulary)")
     cache_dir: str = field(default_factory=default_cache_dir, metadata={"help": f"${CACHE_ENV}"})
 
     def __post_init__(self) -> None:
@@ -101,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
 

@@ -15,13 +15,17 @@ from engine_core.config import EngineConfig
 from engine_core.core.beam_group import BeamGroup
 from engine_core.core.prompt_checks import check_token_ids
 from engine_core.core.request import FinishReason, Request
+from engine_core.distributed.parallel_state import check_heads
 from engine_core.engine import EngineCore
 from engine_core.io.bad_words import bad_words_token_ids
 from engine_core.io.output_processor import OutputProcessor
 from engine_core.io.request_output import RequestMetrics, RequestOutput
 from engine_core.io.tokenizer import Tokenizer, hf_tokenizer, load_tokenizer
+from engine_core.model.loader import load_config
 from engine_core.sampling_params import SamplingParams, with_eos
 from engine_core.worker.model_runner import ModelRunner
+from engine_core.worker.rank_processes import RankProcesses
+from engine_core.worker.tp_executor import TensorParallelExecutor
 
 PromptType = str | dict[str, Any]
 ChatMessages = list[dict[str, str]]
@@ -35,21 +39,44 @@ class LoadedEngine:
     tokenizer_dir: str
     model_name: str
     eos_token_id: int | None
+    tensor_parallel: TensorParallelExecutor | None = None  # ranks 1.. (tensor_parallel_size > 1), stopped by close
+
+    def close(self) -> None:
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
 
 def load_engine(config: EngineConfig) -> LoadedEngine:
-    """Resolves the model, loads the runner and sizes the KV cache: the one-process engine."""
+    """Resolves the model, loads the runner and sizes the KV cache: the one-process engine, plus, with
+    tensor_parallel_size > 1, ranks 1.. as processes of their own (engine_core.worker.rank_processes.py)."""
     model_dir = resolve_model_dir(config.model, config.cache_dir)
-    runner = ModelRunner(config, model_dir)  # NOTE: first: it starts the weights' disk read (prefetch_weights)
-    tokenizer_dir = config.tokenizer or model_dir
-    tokenizer = load_tokenizer(tokenizer_dir, config.cache_dir)
-    num_blocks = runner.profile_num_blocks()
-    runner.init_kv_cache(num_blocks)
-    core = EngineCore(config, runner, runner.max_model_len, num_blocks)
+    ranks = None
+    if config.tensor_parallel_size > 1:
+        hf = load_config(model_dir)
+        check_heads(hf.num_attention_heads, hf.num_key_value_heads, config.tensor_parallel_size)  # before any spawn
+        ranks = RankProcesses(config, model_dir)  # they load their shards while rank 0 loads its own
+    try:
+        runner = ModelRunner(config, model_dir)  # NOTE: first: it starts the weights' disk read (prefetch_weights)
+        tokenizer_dir = config.tokenizer or model_dir
+        tokenizer = load_tokenizer(tokenizer_dir, config.cache_dir)
+        num_blocks = runner.profile_num_blocks()
+        executor: ModelRunner | TensorParallelExecutor = runner
+        tensor_parallel = None
+        if ranks is not None:
+            num_blocks = min(num_blocks, *ranks.wait_loaded())  # identical block tables: one count for every rank
+            executor = tensor_parallel = TensorParallelExecutor(runner, ranks)
+            tensor_parallel.init_cache(num_blocks)
+        else:
+            runner.init_kv_cache(num_blocks)
+    except BaseException:
+        if ranks is not None:
+            ranks.stop()
+        raise
+    core = EngineCore(config, executor, runner.max_model_len, num_blocks)
     eos = tokenizer.eos_token_id
     if eos is None:
         eos = next(iter(read_generation_eos(model_dir)), None)
-    return LoadedEngine(core, runner, tokenizer, tokenizer_dir, model_name(config.model), eos)
+    return LoadedEngine(core, runner, tokenizer, tokenizer_dir, model_name(config.model), eos, tensor_parallel)
 
 
 class LLM:
@@ -63,6 +90,10 @@ class LLM:
     @property
     def core(self) -> EngineCore:
         return self.engine.core
+
+    def shutdown(self) -> None:
+        """Stops the tensor-parallel rank processes, if any (also done at interpreter exit). Idempotent."""
+        self.engine.close()
 
     def get_tokenizer(self) -> Any:
         """transformers' tokenizer of the model, as vLLM's `LLM.get_tokenizer()` returns (loaded on the first call).

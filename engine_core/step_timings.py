@@ -17,3 +17,4 @@ class StepTimings:
     sample_start: float = 0.0  # forward pass returned: logits and sampling begin
     # forward_start and sample_start stay 0 for a step that only dropped sequences (no forward pass)
     end: float = 0.0
+    collective_s: float = 0.0  # tensor parallelism: seconds inside collectives (waiting for peers included)

@@ -89,6 +89,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if not 1 <= args.replicas <= 16:
         print(f"--replicas must be between 1 and 16, got {args.replicas}", file=sys.stderr)
         return 2
+    if not 1 <= args.tensor_parallel_size <= 64:
+        print(f"--tensor-parallel-size must be between 1 and 64, got {args.tensor_parallel_size}", file=sys.stderr)
+        return 2
     config = LaunchConfig(
         model=args.model,
         dtype=args.dtype,
@@ -99,8 +102,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         grpc_port=args.grpc_port,
         http_port=args.http_port,
         scheduler_port=args.scheduler_port,
-        worker_ports=[args.worker_port + i for i in range(args.num_workers)],
-        num_threads=args.worker_threads or default_worker_threads(args.num_workers * args.replicas),
+        worker_ports=[args.worker_port + i for i in range(args.tensor_parallel_size)],
+        num_threads=args.worker_threads or default_worker_threads(args.tensor_parallel_size * args.replicas),
         log_dir=args.log_dir,
         metrics_port=args.metrics_port,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
@@ -171,7 +174,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--worker-port", type=int, default=ports.WORKER_PORT, help="first worker's port (then +1 per worker)"
     )
-    serve.add_argument("--num-workers", type=int, default=1)
+    serve.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=field_default("tensor_parallel_size"),
+        help="worker ranks the model is split over (one worker process per rank, on loopback)",
+    )
     serve.add_argument(
         "--replicas",
         type=int,

@@ -81,16 +81,15 @@ class LaunchConfig:
         return self
 
     @classmethod
-    def on_loopback(cls, num_workers: int = 1, replicas: int = 1, **overrides: Any) -> LaunchConfig:
+    def on_loopback(cls, tensor_parallel_size: int = 1, replicas: int = 1, **overrides: Any) -> LaunchConfig:
         """Every service on 127.0.0.1 with free ports (tests, benchmarks: several clusters may run at once)."""
+        n = tensor_parallel_size
         ports = {
             "grpc_port": free_port(),
             "http_port": free_port(),
             "scheduler_port": free_port(),
-            "worker_ports": [free_port() for _ in range(num_workers)],
-            "extra_replicas": [
-                ReplicaPorts(free_port(), [free_port() for _ in range(num_workers)]) for _ in range(replicas - 1)
-            ],
+            "worker_ports": [free_port() for _ in range(n)],
+            "extra_replicas": [ReplicaPorts(free_port(), [free_port() for _ in range(n)]) for _ in range(replicas - 1)],
         }
         return cls(host="127.0.0.1", **(ports | overrides))
 
@@ -223,16 +222,20 @@ class LocalCluster:
         tracing = self._tracing_args()
         for k, replica in enumerate(c.replicas):
             scheduler, workers = self.replica_names(k, len(replica.worker_ports))
-            for name, port in zip(workers, replica.worker_ports, strict=True):
+            # NOTE: a replica's workers are the tensor-parallel ranks of its one model, worker r rank r.
+            tp = ["--tensor-parallel-size", str(len(workers))]
+            for rank, (name, port) in enumerate(zip(workers, replica.worker_ports, strict=True)):
                 # NOTE: no --host: internal services bind to their default, loopback (the security tests check it).
                 args = ["--worker-port", str(port), *model, "--dtype", c.dtype, "--kv-cache-dtype", c.kv_cache_dtype]
                 args += ["--quantization", c.quantization] if c.quantization else []
                 args += ["--metrics-port", str(self.metrics_port(name)), *tracing]
                 args += ["--kv-cache-memory", str(c.kv_cache_memory), "--max-num-seqs", str(c.max_num_seqs), *threads]
+                args += [*tp, "--rank", str(rank)]
                 self._spawn(name, "services.worker", args + c.extra_worker_args, f"127.0.0.1:{port}", WORKER_SERVICE)
             worker_addrs = ",".join(f"127.0.0.1:{p}" for p in replica.worker_ports)
             args = ["--scheduler-port", str(replica.scheduler_port), "--worker-addrs", worker_addrs]
-            args += ["--max-num-seqs", str(c.max_num_seqs), "--metrics-port", str(self.metrics_port(scheduler))]
+            args += ["--max-num-seqs", str(c.max_num_seqs), "--metrics-port", str(self.metrics_port(scheduler)), *tp]
+            args += ["--dist-init-addr", f"127.0.0.1:{free_port()}"] if len(workers) > 1 else []
             addr = f"127.0.0.1:{replica.scheduler_port}"
             self._spawn(
                 scheduler, "services.scheduler", args + tracing + c.extra_scheduler_args, addr, SCHEDULER_SERVICE

@@ -26,6 +26,7 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path: Path) -> None:
         "environment": "ok",
         "variants": expected_variants,
         "greedy": "ok",
+        "tensor_parallel": "skipped",  # needs two GPUs
         "kernel_bench": "ok",
         "throughput": "ok",
         "host_profile": "ok",

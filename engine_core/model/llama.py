@@ -15,8 +15,11 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
+from engine_core.distributed.parallel_state import SINGLE, TensorParallel, check_heads, kv_heads_per_rank
 from engine_core.model.layers.layer_ops import TORCH_OPS, LayerOps
 from engine_core.model.layers.linear import Linear
+from engine_core.model.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel
+from engine_core.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class Embedding(nn.Embedding):
@@ -67,20 +70,20 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool) -> None:
+    """This rank's heads (all of them without tensor parallelism: model/layers/parallel_linear.py)."""
+
+    def __init__(
+        self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.num_heads = heads // tp.size
+        self.num_kv_heads = kv_heads_per_rank(kv_heads, tp.size)
         self.head_dim = backend.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
-            config.hidden_size,
-            self.q_size + 2 * self.kv_size,
-            bias=qkv_bias,
-            output_sizes=(self.q_size, self.kv_size, self.kv_size),
-        )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = qkv_parallel(config.hidden_size, heads, kv_heads, self.head_dim, qkv_bias, tp)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, tp)
         self.backend = backend
         self.ops: LayerOps = TORCH_OPS
 
@@ -99,15 +102,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
         self.intermediate = config.intermediate_size
-        self.gate_up_proj = Linear(
-            config.hidden_size, 2 * self.intermediate, bias=False, output_sizes=(self.intermediate, self.intermediate)
+        self.gate_up_proj = ColumnParallelLinear.even(
+            config.hidden_size, (self.intermediate, self.intermediate), False, tp
         )
-        self.down_proj = Linear(self.intermediate, config.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(self.intermediate, config.hidden_size, tp)
         self.ops: LayerOps = TORCH_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,12 +118,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool) -> None:
+    def __init__(
+        self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool, tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, backend, qkv_bias)
+        self.self_attn = Attention(config, backend, qkv_bias, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -128,17 +133,30 @@ class LlamaForCausalLM(nn.Module):
 
     qkv_bias = False
 
-    def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(
+        self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int, tp: TensorParallel = SINGLE
+    ) -> None:
+        """`tp`: the shard this process holds (rank of size); the default is the whole model."""
         super().__init__()
+        check_heads(config.num_attention_heads, config.num_key_value_heads, tp.size)
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.tp = tp
+        self.embed_tokens: nn.Module = (
+            Embedding(config.vocab_size, config.hidden_size)
+            if tp.size == 1
+            else VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, self.qkv_bias) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, self.qkv_bias, tp) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, backend.head_dim, max_positions)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            Linear(config.hidden_size, config.vocab_size, bias=False)
+            if tp.size == 1
+            else ParallelLMHead(config.hidden_size, config.vocab_size, tp)
+        )
         if self.tie_word_embeddings:  # one parameter, the embedding's; the LM head's method packs its own forms
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -161,7 +179,10 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.norm(h, residual)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits of `hidden`'s rows; under tensor parallelism on rank 0 only (None on the others)."""
+        if isinstance(self.lm_head, ParallelLMHead):
+            return self.lm_head.logits(hidden)
         return self.lm_head(hidden).float()
 
     def use_layer_ops(self, ops: LayerOps) -> None:
@@ -198,7 +219,7 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
             owner = self.get_submodule(target.rpartition(".")[0])
-            if isinstance(owner, Linear):
+            if isinstance(owner, Linear | VocabParallelEmbedding):  # this rank's slice of the tensor
                 owner.weight_loader(params[target], tensor, shard)
             else:
                 params[target].copy_(tensor)

@@ -20,6 +20,8 @@ from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.selector import create_backend
 from engine_core.checkpoint.model_dir import gguf_file
 from engine_core.config import EngineConfig
+from engine_core.distributed import collectives
+from engine_core.distributed.parallel_state import TensorParallel, kv_heads_per_rank
 from engine_core.host_cpus import usable_cpus
 from engine_core.model.layers.cpu_bfloat16 import cpu_bf16_gemms
 from engine_core.model.layers.cpu_gemm_rows import CpuGemmRows, can_pack
@@ -37,6 +39,7 @@ from engine_core.structured_output.guidance import backend_for_model
 from engine_core.worker.beam_rows import apply_beam_deltas
 from engine_core.worker.cuda_graphs import CudaGraphDecodeStep, capture_sizes
 from engine_core.worker.device_inputs import DeviceInputs, step_input_specs
+from engine_core.worker.driver_sampling import sample_on_driver
 from engine_core.worker.host_memory import zeroed_host_tensor
 from engine_core.worker.input_batch import InputBatch, StepInputs
 from engine_core.worker.kv_prefault import KvPrefaulter
@@ -84,10 +87,16 @@ def resolve_max_model_len(config: EngineConfig, hf_config: object) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: str, gemm_rows: CpuGemmRows | None = None) -> None:
-        """`gemm_rows`: the CPU float32 GEMM dispatch's row thresholds (tests move them); None: this CPU's."""
+    def __init__(
+        self, config: EngineConfig, model_dir: str, gemm_rows: CpuGemmRows | None = None, rank: int = 0
+    ) -> None:
+        """`gemm_rows`: the CPU float32 GEMM dispatch's row thresholds (tests move them); None: this CPU's.
+        `rank`: which of the config's `tensor_parallel_size` shards this runner holds (engine_core/distributed)."""
         self.config = config
+        self.tp = TensorParallel(rank, config.tensor_parallel_size)
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None and self.tp.size > 1:
+            self.device = torch.device("cuda", rank)  # NOTE: one GPU per rank, as NCCL needs
         self.dtype = DTYPES[config.resolved_dtype]  # of the activations, the KV cache and the non-GEMM weights
         self.gemm_dtype = self.dtype  # of the linears' weights
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
@@ -102,7 +111,7 @@ class ModelRunner:
             # user chose (num_threads, OMP_NUM_THREADS) is kept
             threads = config.num_threads or torch.get_num_threads()
             if not config.num_threads and "OMP_NUM_THREADS" not in os.environ:
-                threads = min(threads, usable_cpus())
+                threads = max(1, min(threads, usable_cpus() // self.tp.size))  # a rank's share of the cores
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
         if config.quantization == "gguf" and gguf_file(model_dir) is None:
@@ -114,10 +123,11 @@ class ModelRunner:
         cls = model_class(arch)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.max_model_len = resolve_max_model_len(config, hf)
+        num_kv_heads = kv_heads_per_rank(hf.num_key_value_heads, self.tp.size)  # this rank's, in its KV cache
         backend = create_backend(
             config.resolved_backend,
-            hf.num_attention_heads,
-            hf.num_key_value_heads,
+            hf.num_attention_heads // self.tp.size,
+            num_kv_heads,
             head_dim,
             config.block_size,
             head_dim**-0.5,
@@ -126,7 +136,7 @@ class ModelRunner:
         self.backend = backend
         t0 = time.perf_counter()
         with torch.device(self.device):
-            model = cls(hf, backend, self.max_model_len)
+            model = cls(hf, backend, self.max_model_len, self.tp)
         model.load_weights(iter_weights(model_dir, hf))
         self.model = model.to(dtype=self.dtype).eval()
         # NOTE: after the dtype cast: each linear's method keeps its weight in the form(s) its kernels read, once.
@@ -137,7 +147,10 @@ class ModelRunner:
         self.decode_step: StepFunction | None = None
         self.mixed_step: StepFunction | None = None  # steps with prefill chunks (CUDA graphs: mixed_graphs.py)
         self.model.use_layer_ops(select_layer_ops(self.device, self.dtype, backend.name))
-        if can_pack(self.device, self.dtype) and cpu_kernels.available() and backend.name == "cpu":
+        # NOTE: the native step has no collective between its layers: under tensor parallelism decode steps run the
+        # layer loop (docs/architecture.md, "Tensor parallelism").
+        native = can_pack(self.device, self.dtype) and cpu_kernels.available() and backend.name == "cpu"
+        if native and self.tp.size == 1:
             self.decode_step = NativeDecodeStep(self.model)  # NOTE: it writes K/V in the cpu backend's way
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
         log.info(
@@ -153,9 +166,9 @@ class ModelRunner:
             vocab_size=hf.vocab_size,
             max_model_len=self.max_model_len,
             num_layers=hf.num_hidden_layers,
-            num_kv_heads=hf.num_key_value_heads,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            block_bytes=2 * config.block_size * hf.num_key_value_heads * head_dim * elt * hf.num_hidden_layers,
+            block_bytes=2 * config.block_size * num_kv_heads * head_dim * elt * hf.num_hidden_layers,
         )
         self.kv_caches: list[torch.Tensor] = []
         self._kv_whole: torch.Tensor | None = None  # CPU: the one mapping under every layer's view
@@ -175,8 +188,8 @@ class ModelRunner:
             max_tokens = max(config.max_num_batched_tokens, max_rows)
             self._staging = DeviceInputs(self.device, step_input_specs(max_tokens, max_rows, self.max_blocks_per_seq))
             if backend.name == "triton" and not config.enforce_eager:
-                self.decode_step = self._cuda_graph_step(hf.num_key_value_heads)
-                self.mixed_step = self._mixed_graph_step(hf.num_key_value_heads, max_tokens)
+                self.decode_step = self._cuda_graph_step(num_kv_heads)
+                self.mixed_step = self._mixed_graph_step(num_kv_heads, max_tokens)
 
     def reset(self) -> None:
         """Forgets every sequence (a new scheduler, i.e. cache epoch, restarts seq ids): a fresh persistent batch and
@@ -289,6 +302,8 @@ class ModelRunner:
             if prefaulter is not None:
                 prefaulter.resume()
         timings.end = time.perf_counter()
+        if self.tp.size > 1:
+            timings.collective_s = collectives.CLOCK.take()
         return out
 
     def _execute(self, plan: SchedulerOutput, timings: StepTimings) -> ModelRunnerOutput:
@@ -318,7 +333,8 @@ class ModelRunner:
         last_token = self._to_device("sample_index", logit_index)
         if self._staging is not None:
             self._staging.end()
-        sampling_meta = batch_metadata(self.sampling, sample_seq_ids) if len(sample_idx) else None
+        sample_here = len(sample_idx) and self.tp.is_driver
+        sampling_meta = batch_metadata(self.sampling, sample_seq_ids) if sample_here else None
         self.backend.prepare(meta)
         timings.forward_start = time.perf_counter()
         step = pick_step_function(self.model, self.decode_step, meta, self.mixed_step)
@@ -329,8 +345,14 @@ class ModelRunner:
         if not len(sample_idx):
             self.batch.advance(inputs, sample_idx, sample_idx)
             return out
-        logits = self.model.compute_logits(hidden[last_token])
-        sampled = sample_step(self.sampler, self.sampling, logits, sample_seq_ids, sampling_meta)
+        logits = self.model.compute_logits(hidden[last_token])  # None on a rank other than 0
+        sampled = sample_on_driver(
+            self.tp,
+            len(sample_seq_ids),
+            logits,
+            lambda logits: sample_step(self.sampler, self.sampling, logits, sample_seq_ids, sampling_meta),
+            self.device,
+        )
         # NOTE: a failed row's sequence ends, but a step planned ahead may still feed its token back: keep it a
         # valid id in the batch.
         tokens = sampled.tokens
@@ -459,6 +481,8 @@ class ModelRunner:
                 continue
             offset = int(inputs.query_start_loc[i])
             logits = self.model.compute_logits(hidden[offset : offset + end - start])
+            if logits is None:  # tensor parallelism: rank 0 reports them
+                continue
             targets = torch.from_numpy(self.batch.token_ids[row, start + 1 : end + 1]).to(self.device)
             result[seq_id] = PromptLogprobs(start=start + 1, tensors=compute_logprobs(logits, targets, k))
         return result

@@ -22,11 +22,12 @@ WORKER_FIELDS = (
     "dtype", "quantization", "device", "block_size", "kv_cache_memory", "kv_cache_dtype", "gpu_memory_utilization",
     "max_model_len",
     "attention_backend", "enforce_eager", "num_threads", "seed", "max_num_seqs", "num_kv_blocks",
+    "tensor_parallel_size",
 )  # fmt: skip
 # What shapes continuous batching (the worker's --max-num-seqs must be at least the scheduler's).
 SCHEDULER_FIELDS = (
     "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "async_scheduling", "enable_prefix_caching",
-    "num_kv_blocks", "speculative_config",
+    "num_kv_blocks", "speculative_config", "tensor_parallel_size",
 )  # fmt: skip
 
 _FIELDS: dict[str, Field[Any]] = {f.name: f for f in fields(EngineConfig)}

@@ -19,6 +19,7 @@ class SchedulerConfig:
     host: str
     port: int
     worker_addrs: list[str]  # rank order: rank 0 returns the samples
+    dist_init_addr: str  # tensor parallelism: the ranks' rendezvous, sent in every InitCache
     max_num_seqs: int
     max_num_batched_tokens: int
     scheduling_policy: str
@@ -49,6 +50,12 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
         "--worker-addrs",
         default=f"localhost:{ports.WORKER_PORT}",
         help="comma-separated worker addresses, rank order",
+    )
+    add_flag(
+        p,
+        "--dist-init-addr",
+        default="",
+        help=f"tensor parallelism: the ranks' rendezvous host:port (default: rank 0's host:{ports.DIST_INIT_PORT})",
     )
     add_engine_flags(p, SCHEDULER_FIELDS)
     add_flag(p, "--max-waiting-requests", default=1024, type=int, help="queued requests before RESOURCE_EXHAUSTED")
@@ -87,10 +94,17 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
         engine_config_from_args(a, SCHEDULER_FIELDS)  # NOTE: validates the engine flags with EngineConfig's rules
     except ValueError as e:
         p.error(str(e))
+    if len(workers) != a.tensor_parallel_size:
+        p.error(
+            f"--worker-addrs names {len(workers)} worker(s) but --tensor-parallel-size is {a.tensor_parallel_size}: "
+            "one worker per rank"
+        )
+    dist_init_addr = a.dist_init_addr or f"{workers[0].rpartition(':')[0]}:{ports.DIST_INIT_PORT}"
     return SchedulerConfig(
         host=a.host,
         port=a.scheduler_port,
         worker_addrs=workers,
+        dist_init_addr=dist_init_addr,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         scheduling_policy=a.scheduling_policy,

@@ -111,7 +111,10 @@ class EngineLoop:
         self.on_ready = on_ready
         self.registry = registry
         self.executor = RemoteExecutor(
-            config.worker_addrs, StepDeadline(config.step_timeout, config.step_timeout_per_token), config.tls
+            config.worker_addrs,
+            StepDeadline(config.step_timeout, config.step_timeout_per_token),
+            config.tls,
+            config.dist_init_addr,
         )
         if telemetry is not None and telemetry.detailed:
             self.executor.step_tracer = StepTracer(telemetry.tracer)

@@ -92,8 +92,11 @@ class RemoteStep:
 
 
 class RemoteExecutor:
-    def __init__(self, addrs: list[str], deadline: StepDeadline, tls: TlsFiles | None = None) -> None:
+    def __init__(
+        self, addrs: list[str], deadline: StepDeadline, tls: TlsFiles | None = None, dist_init_addr: str = ""
+    ) -> None:
         self.addrs = addrs
+        self.dist_init_addr = dist_init_addr  # tensor parallelism (len(addrs) > 1): the ranks' rendezvous
         self.deadline = deadline
         self.tls = tls or TlsFiles()
         self._channels = [sync_channel(a, self.tls, CHANNEL_OPTIONS) for a in addrs]
@@ -135,9 +138,23 @@ class RemoteExecutor:
         if self.step_tracer is not None:
             self.step_tracer.reset()
         world = len(self._stubs)
-        for rank, stub in enumerate(self._stubs):
-            req = worker_pb2.InitCacheRequest(num_blocks=num_blocks, rank=rank, world_size=world, epoch=self.epoch)
-            stub.InitCache(req, timeout=120.0)
+        # NOTE: concurrently: under tensor parallelism each rank's InitCache returns only once every rank has joined
+        # the group.
+        futures = [
+            stub.InitCache.future(
+                worker_pb2.InitCacheRequest(
+                    num_blocks=num_blocks,
+                    rank=rank,
+                    world_size=world,
+                    epoch=self.epoch,
+                    dist_init_addr=self.dist_init_addr,
+                ),
+                timeout=120.0,
+            )
+            for rank, stub in enumerate(self._stubs)
+        ]
+        for f in futures:
+            f.result()
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         return self.submit(plan).result()

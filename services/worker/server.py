@@ -18,6 +18,7 @@ import grpc
 import structlog
 
 from engine_core.checkpoint.model_files import model_name, resolve_model_dir
+from engine_core.distributed.parallel_state import form_group, leave_group
 from engine_core.structured_output.backend import GrammarCompile
 from engine_core.worker.host_allocator import retain_freed_memory
 from engine_core.worker.model_runner import ModelRunner
@@ -67,7 +68,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     def load(self) -> None:
         engine = self.config.engine
         self.model_dir = resolve_model_dir(engine.model, engine.cache_dir)
-        self.runner = ModelRunner(engine, self.model_dir)
+        self.runner = ModelRunner(engine, self.model_dir, rank=self.config.rank)
         if self.runner.grammar_backend is not None:
             self.runner.grammar_backend.on_compile = self._compiles.append
 
@@ -112,6 +113,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
         if request.num_blocks < 2 or not request.epoch:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "num_blocks must be >= 2 and epoch non-empty")
+        assert self.runner is not None
+        tp = self.runner.tp
+        if (request.rank, max(1, request.world_size)) != (tp.rank, tp.size):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank/world_size {request.rank}/{request.world_size} do not match this worker's shard "
+                f"(--rank {tp.rank}, --tensor-parallel-size {tp.size})",
+            )
+        if tp.size > 1 and not request.dist_init_addr:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "dist_init_addr is required when world_size > 1")
         await asyncio.get_running_loop().run_in_executor(self.pool, self._init_cache, request)
         self.queued_steps = 0
         log.info("KV cache ready", blocks=request.num_blocks, rank=request.rank, world_size=request.world_size)
@@ -123,6 +134,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # NOTE: a new epoch (a new scheduler, or recovery after a failed step) restarts sequence ids: forget every
         # sequence of the previous one, including any row a failed step left half-added.
         runner.reset()
+        if runner.tp.size > 1:
+            # NOTE: every epoch re-forms the group (a peer may have restarted) and starts a fresh cache
+            form_group(runner.tp, request.dist_init_addr, runner.device, request.epoch)
+            self.num_blocks = 0
         if request.num_blocks != self.num_blocks:
             runner.init_kv_cache(request.num_blocks)
             self.num_blocks = request.num_blocks
@@ -176,13 +191,20 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             out = self.runner.execute(plan)
         except Exception:
             self.epoch = ""  # NOTE: the persistent batch may be half-updated: refuse steps until re-initialized
+            if self.runner.tp.size > 1:
+                leave_group()  # NOTE: the peers' collectives of this step fail at once instead of waiting on this rank
             raise
         resp = result_to_proto(out) if request.return_samples else worker_pb2.ExecuteResponse()
         end = time.perf_counter()
         resp.execute_s = end - t0
         compiles, self._compiles[:] = list(self._compiles), []
         if self.metrics is not None:
-            self.metrics.observe_step(resp.execute_s, len(request.scheduled_seq_ids), plan.total_num_scheduled_tokens)
+            self.metrics.observe_step(
+                resp.execute_s,
+                len(request.scheduled_seq_ids),
+                plan.total_num_scheduled_tokens,
+                self.runner.last_timings.collective_s,
+            )
             for event in compiles:
                 self.metrics.observe_grammar(event)
         if self.telemetry is not None and request.trace.traceparent:
@@ -194,7 +216,7 @@ async def serve(config: WorkerConfig, telemetry: Telemetry | None = None) -> Non
     # NOTE: no tracing interceptor: only steps the scheduler traced carry a context (see services/worker/tracing.py).
     server = grpc.aio.server(options=SERVER_OPTIONS)
     registry = service_registry()
-    metrics = WorkerMetrics(registry, model_name(config.engine.model))
+    metrics = WorkerMetrics(registry, model_name(config.engine.model), config.rank, config.engine.tensor_parallel_size)
     serve_metrics(config.host, config.metrics_port, registry, config.tls)
     servicer = WorkerServicer(config, metrics, telemetry)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)

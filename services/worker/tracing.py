@@ -38,6 +38,8 @@ def record_execute(
         "pagoda.step.num_scheduled_tokens": sum(request.num_scheduled_tokens),
         "pagoda.step.num_new_seqs": len(request.new_seqs),
     }
+    if timings.collective_s:
+        attrs["pagoda.step.collective_s"] = timings.collective_s  # tensor parallelism
     span = tracer.start_span(
         "Execute", context=ctx, kind=SpanKind.SERVER, attributes=attrs, start_time=perf_counter_to_ns(timings.start)
     )

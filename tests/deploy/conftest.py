@@ -22,7 +22,7 @@ SINGLE_PROFILES = [
     "default",
     "gpu",
     "cpu",
-    "multi-worker",
+    "tensor-parallel",
     "observability",
     "secured",
     "extras",
@@ -34,7 +34,7 @@ SINGLE_PROFILES = [
 COMBINED_PROFILES = [
     "secured+observability",
     "gpu+secured+observability",
-    "gpu+multi-worker+secured",
+    "gpu+tensor-parallel+secured",
     "cpu+observability+extras+repository",
     "replicas+secured+observability",
     "gpu+replicas+extras+repository",

@@ -26,7 +26,11 @@ PARSERS: dict[str, Callable[[list[str]], Any]] = {
 # Read by the processes directly, not through a flag.
 DIRECT_ENV = {"PAGODA_CACHE"}
 # What the kubelet sets for the downward-API fields the chart's profiles use.
-FIELD_VALUES = {"metadata.name": "pod-0", "spec.nodeName": "node-0"}
+FIELD_VALUES = {
+    "metadata.name": "pod-0",
+    "spec.nodeName": "node-0",
+    "metadata.labels['apps.kubernetes.io/pod-index']": "0",
+}
 
 
 @cache

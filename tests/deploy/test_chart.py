@@ -113,7 +113,7 @@ def test_services_select_their_pods(render: Any, profile: str) -> None:
 
 @pytest.mark.parametrize(
     ("profile", "domain"),
-    [("default", "cluster.local"), ("multi-worker", "cluster.local"), ("extras", "k8s.example.internal")],
+    [("default", "cluster.local"), ("tensor-parallel", "cluster.local"), ("extras", "k8s.example.internal")],
 )
 def test_scheduler_gets_the_worker_dns_names_in_rank_order(render: Any, profile: str, domain: str) -> None:
     r: Rendered = render(profile)
@@ -125,7 +125,15 @@ def test_scheduler_gets_the_worker_dns_names_in_rank_order(render: Any, profile:
     expected = [f"{name}-{rank}.{svc}.{NAMESPACE}.svc.{domain}:{port}" for rank in range(replicas)]
     containers = dict(pagoda_containers(r))
     assert parse_container(r, "scheduler", containers["scheduler"]).worker_addrs == expected
-    assert replicas == (3 if profile == "multi-worker" else 1)
+    assert replicas == (3 if profile == "tensor-parallel" else 1)
+    scheduler = parse_container(r, "scheduler", containers["scheduler"])
+    worker = parse_container(r, "worker", containers["worker"])
+    assert worker.engine.tensor_parallel_size == replicas  # every rank and the scheduler agree on the group's size
+    if replicas > 1:  # the rendezvous: rank 0's stable name, on the port its headless Service names
+        dist = next(p["port"] for p in headless["spec"]["ports"] if p["name"] == "dist")
+        assert scheduler.dist_init_addr == f"{name}-0.{svc}.{NAMESPACE}.svc.{domain}:{dist}"
+        rank_env = next(e for e in containers["worker"]["env"] if e["name"] == "PAGODA_RANK")
+        assert rank_env["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['apps.kubernetes.io/pod-index']"
     # ...and the frontends the scheduler's Service.
     scheduler_svc = next(s for s in r.by_kind["Service"] if s["metadata"]["labels"][COMPONENT] == "scheduler")
     sched_port = next(p["port"] for p in scheduler_svc["spec"]["ports"] if p["name"] == "grpc")
@@ -372,7 +380,8 @@ def test_notes_tell_how_to_call_generate(render: Any) -> None:
 @pytest.mark.parametrize(
     "bad",
     [
-        "worker.replicas=0",
+        "engine.tensorParallelSize=0",
+        "worker.replicas=3",  # ranks are engine.tensorParallelSize; no replica mode of full copies
         "engine.dtype=int8",
         "frontend.grpcPort=70000",
         "model.source=s3",
@@ -472,5 +481,5 @@ def test_engine_autoscaling_scales_the_replicas_on_their_own_queue() -> None:
 
 
 def test_multi_rank_replicas_are_refused() -> None:
-    out = helm_template("--set", "modelReplicas.count=2", "--set", "worker.replicas=2")
-    assert out.returncode != 0 and "worker.replicas" in out.stderr
+    out = helm_template("--set", "modelReplicas.count=2", "--set", "engine.tensorParallelSize=2")
+    assert out.returncode != 0 and "engine.tensorParallelSize" in out.stderr

@@ -57,10 +57,16 @@ dns:///{{ include "pagoda.name" (dict "root" . "component" "engine") }}.{{ .Rele
 {{- define "pagoda.workerAddrs" -}}
 {{- $name := include "pagoda.name" (dict "root" . "component" "worker") -}}
 {{- $addrs := list -}}
-{{- range $rank := until (int .Values.worker.replicas) -}}
+{{- range $rank := until (int .Values.engine.tensorParallelSize) -}}
 {{- $addrs = append $addrs (printf "%s-%d.%s.%s.svc.%s:%d" $name $rank $name $.Release.Namespace $.Values.clusterDomain (int $.Values.worker.port)) -}}
 {{- end -}}
 {{- join "," $addrs -}}
+{{- end -}}
+
+{{/* Tensor parallelism's rendezvous: rank 0's stable DNS name under the headless worker Service. */}}
+{{- define "pagoda.distInitAddr" -}}
+{{- $name := include "pagoda.name" (dict "root" . "component" "worker") -}}
+{{- printf "%s-0.%s.%s.svc.%s:%d" $name $name .Release.Namespace .Values.clusterDomain (int .Values.worker.distPort) -}}
 {{- end -}}
 
 {{- define "pagoda.otlpEndpoint" -}}
@@ -79,10 +85,11 @@ dns:///{{ include "pagoda.name" (dict "root" . "component" "engine") }}.{{ .Rele
   "PAGODA_MAX_NUM_BATCHED_TOKENS" $e.maxNumBatchedTokens "PAGODA_SCHEDULING_POLICY" $e.schedulingPolicy
   "PAGODA_ASYNC_SCHEDULING" $e.asyncScheduling "PAGODA_ENABLE_PREFIX_CACHING" $e.enablePrefixCaching "PAGODA_NUM_KV_BLOCKS" $e.numKvBlocks
   "PAGODA_SPECULATIVE_CONFIG" (and $e.speculativeConfig (toJson $e.speculativeConfig))
+  "PAGODA_TENSOR_PARALLEL_SIZE" $e.tensorParallelSize
   "PAGODA_MODEL" (include "pagoda.modelPath" .root) -}}
 {{- $keys := dict
-  "worker" (list "PAGODA_MODEL" "PAGODA_DTYPE" "PAGODA_DEVICE" "PAGODA_BLOCK_SIZE" "PAGODA_KV_CACHE_MEMORY" "PAGODA_GPU_MEMORY_UTILIZATION" "PAGODA_MAX_MODEL_LEN" "PAGODA_ATTENTION_BACKEND" "PAGODA_NUM_THREADS" "PAGODA_SEED" "PAGODA_MAX_NUM_SEQS" "PAGODA_NUM_KV_BLOCKS")
-  "scheduler" (list "PAGODA_MAX_NUM_SEQS" "PAGODA_MAX_NUM_BATCHED_TOKENS" "PAGODA_SCHEDULING_POLICY" "PAGODA_ASYNC_SCHEDULING" "PAGODA_ENABLE_PREFIX_CACHING" "PAGODA_NUM_KV_BLOCKS" "PAGODA_SPECULATIVE_CONFIG")
+  "worker" (list "PAGODA_MODEL" "PAGODA_DTYPE" "PAGODA_DEVICE" "PAGODA_BLOCK_SIZE" "PAGODA_KV_CACHE_MEMORY" "PAGODA_GPU_MEMORY_UTILIZATION" "PAGODA_MAX_MODEL_LEN" "PAGODA_ATTENTION_BACKEND" "PAGODA_NUM_THREADS" "PAGODA_SEED" "PAGODA_MAX_NUM_SEQS" "PAGODA_NUM_KV_BLOCKS" "PAGODA_TENSOR_PARALLEL_SIZE")
+  "scheduler" (list "PAGODA_MAX_NUM_SEQS" "PAGODA_MAX_NUM_BATCHED_TOKENS" "PAGODA_SCHEDULING_POLICY" "PAGODA_ASYNC_SCHEDULING" "PAGODA_ENABLE_PREFIX_CACHING" "PAGODA_NUM_KV_BLOCKS" "PAGODA_SPECULATIVE_CONFIG" "PAGODA_TENSOR_PARALLEL_SIZE")
   "frontend" (list "PAGODA_MODEL") -}}
 {{- $cm := include "pagoda.name" (dict "root" .root "component" "engine") -}}
 {{- range $key := get $keys .component }}
