@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
+from engine_core.model.layers.block_codes import BlockCodes
 from engine_core.model.layers.layer_ops import TORCH_OPS, LayerOps
 from engine_core.model.layers.linear import Linear
 
@@ -182,12 +183,17 @@ class LlamaForCausalLM(nn.Module):
     }
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Maps HF names onto the fused layout; fails loudly on a missing or unexpected tensor."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockCodes]]) -> None:
+        """Maps HF names onto the fused layout; fails loudly on a missing or unexpected tensor. A tensor given as its
+        GGUF codes is loaded as its values, and a linear also keeps the codes for its method (layers/gguf_codes.py)."""
         params = dict(self.named_parameters())  # a tied LM head's weight is listed once, as the embedding's
         loaded: set[tuple[str, int | None]] = set()
-        for hf_name, tensor in weights:
+        for hf_name, item in weights:
+            codes = item if isinstance(item, BlockCodes) else None
+            tensor = item.values() if isinstance(item, BlockCodes) else item
             name = hf_name.removeprefix("model.")
+            if codes is not None and name == "embed_tokens.weight" and self.tie_word_embeddings:
+                self.lm_head.block_codes = [codes]
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             parts = name.split(".")
@@ -199,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
             owner = self.get_submodule(target.rpartition(".")[0])
             if isinstance(owner, Linear):
-                owner.weight_loader(params[target], tensor, shard)
+                owner.weight_loader(params[target], tensor, shard, codes)
             else:
                 params[target].copy_(tensor)
             loaded.add((target, shard))

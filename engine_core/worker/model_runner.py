@@ -127,7 +127,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = cls(hf, backend, self.max_model_len)
-        model.load_weights(iter_weights(model_dir, hf))
+        model.load_weights(iter_weights(model_dir, hf, with_codes=True))
         self.model = model.to(dtype=self.dtype).eval()
         # NOTE: after the dtype cast: each linear's method keeps its weight in the form(s) its kernels read, once.
         linear_method = select_linear_method(self.device, self.dtype, gemm_rows, self.gemm_dtype)
