@@ -16,6 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
 from engine_core.model.layers.block_codes import BlockCodes
+from engine_core.model.layers.coded_embedding import CodedEmbedding
 from engine_core.model.layers.layer_ops import TORCH_OPS, LayerOps
 from engine_core.model.layers.linear import Linear
 
@@ -132,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens: Embedding | CodedEmbedding = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, self.qkv_bias) for _ in range(config.num_hidden_layers)
         )
@@ -161,6 +162,17 @@ class LlamaForCausalLM(nn.Module):
             h = layer.mlp(x)
         h, _ = self.norm(h, residual)
         return h
+
+    def embed_from_lm_head_codes(self) -> bool:
+        """A tied embedding whose LM head keeps the table as block codes reads its rows from those codes and drops
+        its float32 table (layers/coded_embedding.py); after the linears' weights are processed."""
+        forms = self.lm_head.cpu_forms
+        if not self.tie_word_embeddings or forms is None or forms.coded is None or forms.plain is not None:
+            return False
+        if not isinstance(self.embed_tokens, Embedding) or self.embed_tokens.weight.dtype != torch.float32:
+            return False
+        self.embed_tokens = CodedEmbedding(forms.coded, self.config.vocab_size, self.config.hidden_size)
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

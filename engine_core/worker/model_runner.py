@@ -132,6 +132,7 @@ class ModelRunner:
         # NOTE: after the dtype cast: each linear's method keeps its weight in the form(s) its kernels read, once.
         linear_method = select_linear_method(self.device, self.dtype, gemm_rows, self.gemm_dtype)
         process_linear_weights(self.model, linear_method)
+        self.model.embed_from_lm_head_codes()  # NOTE: the tied table kept once, as the LM head's codes
         # The step functions (step_functions.py): the model's forward serves every step; `decode_step`, where set,
         # serves decode-only steps. NOTE: this is the seam where a CUDA-graph replay of decode steps plugs in.
         self.decode_step: StepFunction | None = None
