@@ -5,7 +5,9 @@
   (`mkldnn._linear_pointwise`), the native
   panel kernel (`panel_linear`, weight packed once into 16-column panels, meant for decode-sized row counts) and,
   up to 64 rows, the coded kernel (`coded_linear`: the same weights read as GGUF blocks, Q4_1 for the layers and
-  Q8_0 for the LM head as in the default model; every kernel runs the same random weights, which are such blocks).
+  Q8_0 for the LM head as in the default model; every kernel runs the same random weights, which are such blocks);
+  then the coded kernel on the K-quants' record layouts (Q4_K: 4-bit, Q5_K: 8-bit, Q6_K: two 16-k halves) of
+  random valid blocks of the same shapes (`--kquants`).
 - `attention`: decode attention per layer (9 query / 3 KV heads, head dim 64, block size 16, context lengths
   uniform in [ctx/4, ctx] sorted longest-first as the engine hands them over, one cache per layer so the K/V come
   from DRAM; block tables in allocation order, shuffled, and with 4 shared prefixes): the torch backend (gather into
@@ -53,6 +55,64 @@ def timed(fn: Callable[[], object], min_seconds: float = 0.5) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2] * 1e3
+
+
+def _kquant_records(kind_name: str, out: int, k: int, g: torch.Generator) -> torch.Tensor:
+    """Records of random valid `kind_name` blocks for `[out, k]` (k padded to super-blocks of 256, then cut)."""
+    from gguf import GGMLQuantizationType
+
+    from engine_core.model.gguf_kquants import KQUANTS, unpack_kquant
+    from engine_core.model.layers.block_codes import BlockCodes
+
+    kind = GGMLQuantizationType[kind_name]
+    padded = -(-k // 256) * 256
+    raw = torch.randint(0, 256, (out * padded // 256, KQUANTS[kind]), dtype=torch.uint8, generator=g)
+    scale = (torch.randn(raw.shape[0], generator=g) * 1e-3).half().view(torch.uint8).view(-1, 2)
+    if kind == GGMLQuantizationType.Q6_K:
+        raw[:, 208:210] = scale
+    else:
+        raw[:, 0:2], raw[:, 2:4] = scale, scale
+    c = unpack_kquant(kind, raw.reshape(-1), (out, padded))
+    offsets = None if c.offsets is None else c.offsets[:, : k // c.group].contiguous()
+    return BlockCodes(
+        c.scales[:, : k // c.group].contiguous(), offsets, c.q[:, :k].contiguous(), c.group, c.bits
+    ).records()
+
+
+def _coded_layers(records: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
+    from kernels import cpu as cpu_kernels
+
+    for rs in records:
+        for (i, o), r in zip(LAYER_SHAPES, rs, strict=True):
+            cpu_kernels.coded_linear(xs[i], r, o, None)
+
+
+def bench_kquants(rows: list[int]) -> list[dict[str, object]]:
+    """The 30 layers through the coded kernel per record layout: Q4_1 (the default model's), Q4_K, Q5_K, Q6_K."""
+    from kernels import cpu as cpu_kernels
+    from kernels.reference import ref_gguf_decoded
+
+    g = torch.Generator().manual_seed(0)
+    weights = {
+        "q4_1": [
+            [cpu_kernels.coded_pack(ref_gguf_decoded(torch.randn(o, i) * 0.02, "q4_1")) for i, o in LAYER_SHAPES]
+            for _ in range(LAYERS)
+        ]
+    }
+    for kind in ("Q4_K", "Q5_K", "Q6_K"):
+        weights[kind] = [[_kquant_records(kind, o, i, g) for i, o in LAYER_SHAPES] for _ in range(LAYERS)]
+    print("rows | 30 layers, coded kernel: " + ", ".join(weights) + "   (ms)")
+    out: list[dict[str, object]] = []
+    for m in rows:
+        xs = {i: torch.randn(m, i) for i, _ in LAYER_SHAPES}
+        row: dict[str, object] = {"rows": m}
+
+        with torch.inference_mode():
+            for name, records in weights.items():
+                row[f"layers_{name.lower()}_ms"] = timed(partial(_coded_layers, records, xs))
+        print(f"{m:>5} " + " ".join(f"{row[k]:>9.2f}" for k in row if k != "rows"), flush=True)
+        out.append(row)
+    return out
 
 
 def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
@@ -283,6 +343,7 @@ def main() -> None:
     ap.add_argument("which", nargs="?", default="all", choices=["gemm", "attention", "prefill", "all"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="gemm: the row counts (default: %(default)s)")
+    ap.add_argument("--kquants", action="store_true", help="gemm: also the coded kernel on the K-quant layouts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from kernels import cpu as cpu_kernels
@@ -296,6 +357,8 @@ def main() -> None:
     }
     if args.which in ("gemm", "all"):
         record["gemm"] = bench_gemm(args.rows)
+        if args.kquants:
+            record["gemm_kquants"] = bench_kquants(args.rows)
     if args.which in ("attention", "all"):
         record["attention"] = bench_attention()
     if args.which in ("prefill", "all"):

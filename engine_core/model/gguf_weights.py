@@ -6,7 +6,8 @@ safetensors, and the first start converts no weights.
 
 NOTE: bit for bit what transformers makes (tests/test_gguf_weights.py compares every tensor of SmolLM2):
 - the block formats are decoded with the same float32 operations as gguf-py's numpy code (`d * q + m`, each
-  rounded once; f16 scales widened exactly), in torch, on every core; other types go through gguf-py itself;
+  rounded once; f16 scales widened exactly), in torch, on every core (K-quants: gguf_kquants.py); other types go
+  through gguf-py itself;
 - llama.cpp stores Llama's Q and K rows permuted for its rotary kernel; transformers undoes that permutation
   (`LlamaTensorProcessor`), and so does `_unpermute_rows`. Qwen2 is stored as is.
 """
@@ -21,6 +22,8 @@ import torch
 from gguf import GGMLQuantizationType, dequantize
 
 from engine_core.checkpoint.gguf_file import ARCHITECTURES, GgufTensor, check_architecture, read_index
+from engine_core.model.gguf_kquants import KQUANTS, unpack_kquant
+from engine_core.model.layers.block_codes import BlockCodes
 
 Q = GGMLQuantizationType
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -54,8 +57,12 @@ def hf_name(gguf_name: str) -> str | None:
     return f"model.layers.{m[1]}.{_LAYER_NAMES[m[2]]}.{m[3]}"
 
 
-def iter_gguf_weights(path: str | Path, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, float32 tensor) for every tensor of the file, decoded and unpermuted as transformers does."""
+def iter_gguf_weights(
+    path: str | Path, num_heads: int, num_kv_heads: int, with_codes: bool = False
+) -> Iterator[tuple[str, torch.Tensor | BlockCodes]]:
+    """Yields (HF name, float32 tensor) for every tensor of the file, decoded and unpermuted as transformers does;
+    with `with_codes`, a K-quant matrix as its `BlockCodes` (whose `values()` is that tensor), for the linears that
+    compute from codes (layers/gguf_codes.py)."""
     index = read_index(path)
     check_architecture(index)
     permuted = ARCHITECTURES[index.architecture]
@@ -68,11 +75,17 @@ def iter_gguf_weights(path: str | Path, num_heads: int, num_kv_heads: int) -> It
         name = hf_name(tensor.name)
         if name is None:
             continue
-        weight = decode(tensor, data[tensor.offset : tensor.offset + tensor.nbytes])
-        if permuted and ".attn_q." in tensor.name:
-            weight = _unpermute_rows(weight, num_heads)
-        elif permuted and ".attn_k." in tensor.name:
-            weight = _unpermute_rows(weight, num_kv_heads)
+        raw = data[tensor.offset : tensor.offset + tensor.nbytes]
+        heads = num_heads if ".attn_q." in tensor.name else num_kv_heads if ".attn_k." in tensor.name else 0
+        if with_codes and tensor.kind in KQUANTS and len(tensor.shape) == 2:
+            codes = unpack_kquant(tensor.kind, raw, tensor.shape)
+            if permuted and heads:
+                codes = codes.rows(_unpermute_rows(torch.arange(tensor.shape[0]), heads))
+            yield name, codes
+            continue
+        weight = decode(tensor, raw)
+        if permuted and heads:
+            weight = _unpermute_rows(weight, heads)
         yield name, weight
 
 
@@ -99,6 +112,8 @@ def decode(tensor: GgufTensor, raw: torch.Tensor) -> torch.Tensor:
             out = _f16(blocks[:, :2]) * (q.to(torch.int8) - 8).float()
         else:
             out = _f16(blocks[:, :2]) * q.float() + _f16(blocks[:, 2:4])
+    elif tensor.kind in KQUANTS:
+        out = unpack_kquant(tensor.kind, raw, tensor.shape).values()
     else:
         # NOTE: gguf-py's own decoding (numpy, one core): exact by definition for every other format.
         try:

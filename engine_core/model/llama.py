@@ -16,6 +16,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
 from engine_core.distributed.parallel_state import SINGLE, TensorParallel, check_heads, kv_heads_per_rank
+from engine_core.model.layers.block_codes import BlockCodes
+from engine_core.model.layers.coded_embedding import CodedEmbedding
 from engine_core.model.layers.layer_ops import TORCH_OPS, LayerOps
 from engine_core.model.layers.linear import Linear
 from engine_core.model.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel
@@ -179,6 +181,17 @@ class LlamaForCausalLM(nn.Module):
         h, _ = self.norm(h, residual)
         return h
 
+    def embed_from_lm_head_codes(self) -> bool:
+        """A tied embedding whose LM head keeps the table as block codes reads its rows from those codes and drops
+        its float32 table (layers/coded_embedding.py); after the linears' weights are processed."""
+        forms = self.lm_head.cpu_forms
+        if not self.tie_word_embeddings or forms is None or forms.coded is None or forms.plain is not None:
+            return False
+        if not isinstance(self.embed_tokens, Embedding) or self.embed_tokens.weight.dtype != torch.float32:
+            return False
+        self.embed_tokens = CodedEmbedding(forms.coded, self.config.vocab_size, self.config.hidden_size)
+        return True
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """float32 logits of `hidden`'s rows; under tensor parallelism on rank 0 only (None on the others)."""
         if isinstance(self.lm_head, ParallelLMHead):
@@ -203,12 +216,18 @@ class LlamaForCausalLM(nn.Module):
     }
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Maps HF names onto the fused layout; fails loudly on a missing or unexpected tensor."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | BlockCodes]]) -> None:
+        """Maps HF names onto the fused layout; fails loudly on a missing or unexpected tensor. A tensor given as its
+        GGUF codes is loaded as its values, and a linear also keeps the codes for its method (layers/gguf_codes.py)."""
         params = dict(self.named_parameters())  # a tied LM head's weight is listed once, as the embedding's
         loaded: set[tuple[str, int | None]] = set()
-        for hf_name, tensor in weights:
+        for hf_name, item in weights:
+            tensor = item.values() if isinstance(item, BlockCodes) else item
+            # NOTE: a tensor-parallel shard is cut from the values (parallel_linear.py): K-quant codes are not sliced.
+            codes = item if isinstance(item, BlockCodes) and self.tp.size == 1 else None
             name = hf_name.removeprefix("model.")
+            if codes is not None and name == "embed_tokens.weight" and self.tie_word_embeddings:
+                self.lm_head.block_codes = [codes]
             if "rotary_emb" in name or (name == "lm_head.weight" and self.tie_word_embeddings):
                 continue
             parts = name.split(".")
@@ -220,7 +239,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
             owner = self.get_submodule(target.rpartition(".")[0])
             if isinstance(owner, Linear | VocabParallelEmbedding):  # this rank's slice of the tensor
-                owner.weight_loader(params[target], tensor, shard)
+                if codes is None:
+                    owner.weight_loader(params[target], tensor, shard)
+                else:
+                    owner.weight_loader(params[target], tensor, shard, codes)
             else:
                 params[target].copy_(tensor)
             loaded.add((target, shard))

@@ -13,6 +13,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from engine_core.checkpoint.model_config import read_config_file, read_config_json
 from engine_core.checkpoint.model_dir import gguf_file, weight_files
+from engine_core.model.layers.block_codes import BlockCodes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,14 +73,17 @@ def prefetch_weights(model_dir: str) -> None:
     threading.Thread(target=read_ahead, name="prefetch-weights", daemon=True).start()
 
 
-def iter_weights(model_dir: str, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (HF name, tensor) from the directory's GGUF file or from every safetensors file of it."""
+def iter_weights(
+    model_dir: str, config: PretrainedConfig, with_codes: bool = False
+) -> Iterator[tuple[str, torch.Tensor | BlockCodes]]:
+    """Yields (HF name, tensor) from the directory's GGUF file or from every safetensors file of it; with
+    `with_codes`, a GGUF K-quant matrix as its codes (model/gguf_weights.py)."""
     gguf = gguf_file(model_dir)
     if gguf is not None:
         # NOTE: imported here: gguf-py is needed for GGUF models only (the GPU check's machine has none).
         from engine_core.model.gguf_weights import iter_gguf_weights
 
-        yield from iter_gguf_weights(gguf, config.num_attention_heads, config.num_key_value_heads)
+        yield from iter_gguf_weights(gguf, config.num_attention_heads, config.num_key_value_heads, with_codes)
         return
     files = weight_files(model_dir)
     if not files:

@@ -137,11 +137,12 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = cls(hf, backend, self.max_model_len, self.tp)
-        model.load_weights(iter_weights(model_dir, hf))
+        model.load_weights(iter_weights(model_dir, hf, with_codes=True))
         self.model = model.to(dtype=self.dtype).eval()
         # NOTE: after the dtype cast: each linear's method keeps its weight in the form(s) its kernels read, once.
         linear_method = select_linear_method(self.device, self.dtype, gemm_rows, self.gemm_dtype)
         process_linear_weights(self.model, linear_method)
+        self.model.embed_from_lm_head_codes()  # NOTE: the tied table kept once, as the LM head's codes
         # The step functions (step_functions.py): the model's forward serves every step; `decode_step`, where set,
         # serves decode-only steps. NOTE: this is the seam where a CUDA-graph replay of decode steps plugs in.
         self.decode_step: StepFunction | None = None

@@ -176,7 +176,8 @@ def coded_pack(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 def coded_linear(x: torch.Tensor, records: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + bias` for x `[M, K]` (rows may be strided) with W `[n, K]` as `coded_pack`'s records."""
+    """`x @ W.T + bias` for x `[M, K]` (rows may be strided) with W `[n, K]` as `coded_pack`'s records, or the
+    K-quants' records (`[P, K/32, 384 | 640]`, or `[P, K/32, 2, 384]` for 16-k groups: engine_core's block_codes)."""
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     torch.ops.pagoda_cpu.coded_linear(out, x, records, bias)
     return out

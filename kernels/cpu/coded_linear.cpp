@@ -16,7 +16,12 @@
 // Layout (`records`, uint8 [ceil(N/16), K/32, R]): the panel of 16 output columns of panel_linear.cpp, cut into
 // blocks of 32 k; each (panel, block) is one record: d[16] float32, m[16] float32, then the codes, one byte per
 // column per k (8 bits, R = 640) or per pair of k (4 bits: low nibble k, high nibble k + 1; R = 384); R tells
-// the kernel which.
+// the kernel which. Q4_K and Q5_K are these records too (their 32-weight sub-blocks decode as d * q - dmin * m, d
+// and dmin * m exact float32 products, so fma(d, q, -dmin * m) with one rounding: model/layers/block_codes.py
+// builds them from the file's blocks). Q6_K's sub-blocks are 16 weights (w = d * q): its records are
+// [ceil(N/16), K/32, 2, 384], two halves of 16 k, each d[16] and m[16] float32 (m = 0 for Q6_K; fma(d, q, 0) is
+// d * q rounded once) then one int8 code per column per k (`kHalves`, told apart by the records' rank); a fused
+// projection whose shards mix Q6_K with Q4_K / Q5_K (llama.cpp's Q4_K_M files do) has all its shards in this layout.
 //
 // Determinism: every output is the same sequential FMA chain over k as panel_linear's (fma(x[k], w[k], acc) from
 // 0, then + bias) on the same float32 weights, so the two kernels give identical bits (tests/kernels/test_coded_linear.py).
@@ -47,7 +52,29 @@ constexpr int kMaxRows = 8;     // rows per micro-kernel call
 // registers, which wins below 16 rows and ties the panel kernel from 16: docs/benchmarks.md, "CPU GEMMs by row count").
 constexpr int64_t kDecodeOnceRows = 16;
 
-constexpr int64_t record_bytes(int64_t bits) { return kScales + kBlock * kCols * bits / 8; }
+constexpr int kHalves = 6;      // the Q6_K layout's tag: two 16-k halves, each with its d and m, int8 codes
+constexpr int64_t kHalfBytes = kScales + (kBlock / 2) * kCols;  // 384
+
+constexpr int64_t record_bytes(int64_t bits) {
+  return bits == kHalves ? 2 * kHalfBytes : kScales + kBlock * kCols * bits / 8;
+}
+
+// Weight (k0 + kk, column j) of a record, decoded as the vector paths decode it.
+template <int BITS>
+float weight_at(const uint8_t* rec, int64_t kk, int64_t j) {
+  if constexpr (BITS == kHalves) {
+    const uint8_t* half = rec + (kk / (kBlock / 2)) * kHalfBytes;
+    const int q = static_cast<int8_t>(half[kScales + (kk % (kBlock / 2)) * kCols + j]);
+    const float* d = reinterpret_cast<const float*>(half);
+    return std::fma(d[j], static_cast<float>(q), d[kCols + j]);
+  } else {
+    const float* d = reinterpret_cast<const float*>(rec);
+    const uint8_t* codes = rec + kScales;
+    const int q = BITS == 4 ? (codes[(kk / 2) * kCols + j] >> (4 * (kk % 2))) & 0xF
+                            : static_cast<int8_t>(codes[kk * kCols + j]);
+    return std::fma(d[j], static_cast<float>(q), d[kCols + j]);
+  }
+}
 
 #if defined(__AVX512F__)
 #define CODED_ROW(r, w, kk)                                                  \
@@ -70,6 +97,21 @@ void micro(const float* a, int64_t lda, const uint8_t* rec, int64_t K, const flo
   const float *a6 = a + 6 * lda, *a7 = a + 7 * lda;
   const __m512i low = _mm512_set1_epi32(0xF);
   for (int64_t k0 = 0; k0 < K; k0 += kBlock, rec += record_bytes(BITS)) {
+    if constexpr (BITS == kHalves) {
+      for (int64_t h = 0; h < 2; ++h) {
+        const uint8_t* half = rec + h * kHalfBytes;
+        const __m512 dh = _mm512_load_ps(reinterpret_cast<const float*>(half));
+        const __m512 mh = _mm512_load_ps(reinterpret_cast<const float*>(half) + kCols);
+        for (int64_t i = 0; i < kBlock / 2; ++i) {
+          const __m512i v =
+              _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(half + kScales + i * kCols)));
+          const __m512 w = _mm512_fmadd_ps(dh, _mm512_cvtepi32_ps(v), mh);
+          const int64_t k = k0 + h * (kBlock / 2) + i;
+          CODED_ROWS(w, k)
+        }
+      }
+      continue;
+    }
     const __m512 d = _mm512_load_ps(reinterpret_cast<const float*>(rec));
     const __m512 m = _mm512_load_ps(reinterpret_cast<const float*>(rec) + kCols);
     const uint8_t* codes = rec + kScales;
@@ -106,14 +148,9 @@ template <int MR, int BITS>
 void micro(const float* a, int64_t lda, const uint8_t* rec, int64_t K, const float* bias, float* c, int64_t ldc) {
   float acc[MR][kCols] = {};
   for (int64_t k0 = 0; k0 < K; k0 += kBlock, rec += record_bytes(BITS)) {
-    const float* d = reinterpret_cast<const float*>(rec);
-    const float* m = d + kCols;
-    const uint8_t* codes = rec + kScales;
     for (int64_t kk = 0; kk < kBlock; ++kk) {
       for (int64_t j = 0; j < kCols; ++j) {
-        const int q = BITS == 4 ? (codes[(kk / 2) * kCols + j] >> (4 * (kk % 2))) & 0xF
-                                : static_cast<int8_t>(codes[kk * kCols + j]);
-        const float w = std::fma(d[j], static_cast<float>(q), m[j]);
+        const float w = weight_at<BITS>(rec, kk, j);
         for (int r = 0; r < MR; ++r) acc[r][j] += a[r * lda + k0 + kk] * w;
       }
     }
@@ -130,11 +167,23 @@ constexpr bool kVectorized = false;
 template <int BITS>
 void decode_panel(const uint8_t* rec, int64_t K, float* dst) {
   for (int64_t k0 = 0; k0 < K; k0 += kBlock, rec += record_bytes(BITS)) {
-    const float* d = reinterpret_cast<const float*>(rec);
-    const float* m = d + kCols;
-    const uint8_t* codes = rec + kScales;
 #if defined(__AVX512F__)
-    const __m512 dv = _mm512_load_ps(d), mv = _mm512_load_ps(m);
+    if constexpr (BITS == kHalves) {
+      for (int64_t h = 0; h < 2; ++h) {
+        const uint8_t* half = rec + h * kHalfBytes;
+        const __m512 dh = _mm512_load_ps(reinterpret_cast<const float*>(half));
+        const __m512 mh = _mm512_load_ps(reinterpret_cast<const float*>(half) + kCols);
+        for (int64_t i = 0; i < kBlock / 2; ++i) {
+          const __m512i v =
+              _mm512_cvtepi8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(half + kScales + i * kCols)));
+          _mm512_store_ps(dst + (k0 + h * (kBlock / 2) + i) * kCols, _mm512_fmadd_ps(dh, _mm512_cvtepi32_ps(v), mh));
+        }
+      }
+      continue;
+    }
+    const float* d = reinterpret_cast<const float*>(rec);
+    const uint8_t* codes = rec + kScales;
+    const __m512 dv = _mm512_load_ps(d), mv = _mm512_load_ps(d + kCols);
     for (int64_t kk = 0; kk < kBlock; ++kk) {
       __m512i v;
       if constexpr (BITS == 4) {
@@ -147,11 +196,7 @@ void decode_panel(const uint8_t* rec, int64_t K, float* dst) {
     }
 #else
     for (int64_t kk = 0; kk < kBlock; ++kk) {
-      for (int64_t j = 0; j < kCols; ++j) {
-        const int q = BITS == 4 ? (codes[(kk / 2) * kCols + j] >> (4 * (kk % 2))) & 0xF
-                                : static_cast<int8_t>(codes[kk * kCols + j]);
-        dst[(k0 + kk) * kCols + j] = std::fma(d[j], static_cast<float>(q), m[j]);
-      }
+      for (int64_t j = 0; j < kCols; ++j) dst[(k0 + kk) * kCols + j] = weight_at<BITS>(rec, kk, j);
     }
 #endif
   }
@@ -264,9 +309,11 @@ c10::optional<at::Tensor> coded_pack(const at::Tensor& weight) {
 
 void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records,
                   const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(records.dim() == 3 && (records.size(2) == record_bytes(4) || records.size(2) == record_bytes(8)),
-              "coded_linear: records must be [P, K/32, ", record_bytes(4), " or ", record_bytes(8), "]");
-  const int64_t bits = records.size(2) == record_bytes(4) ? 4 : 8;
+  const bool halves = records.dim() == 4 && records.size(2) == 2 && records.size(3) == kHalfBytes;
+  TORCH_CHECK(halves || (records.dim() == 3 && (records.size(2) == record_bytes(4) || records.size(2) == record_bytes(8))),
+              "coded_linear: records must be [P, K/32, ", record_bytes(4), " or ", record_bytes(8), "] or [P, K/32, 2, ",
+              kHalfBytes, "]");
+  const int64_t bits = halves ? kHalves : records.size(2) == record_bytes(4) ? 4 : 8;
   TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && records.scalar_type() == at::kByte,
               "coded_linear: float32 x and out, uint8 records");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.is_contiguous(),
@@ -295,8 +342,10 @@ void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records
         for (int64_t i = 0; i < count; ++i) {
           if (bits == 4) {
             decode_panel<4>(rp + (p + i) * panel_bytes, K, buf + i * panel_floats);
-          } else {
+          } else if (bits == 8) {
             decode_panel<8>(rp + (p + i) * panel_bytes, K, buf + i * panel_floats);
+          } else {
+            decode_panel<kHalves>(rp + (p + i) * panel_bytes, K, buf + i * panel_floats);
           }
         }
         pagoda::panel_gemm(xp, ldx, buf, count, K, b, op, N, p * kCols, M);
@@ -306,7 +355,7 @@ void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records
     });
     return;
   }
-  const Micro* micros = bits == 4 ? kMicro<4> : kMicro<8>;
+  const Micro* micros = bits == 4 ? kMicro<4> : bits == 8 ? kMicro<8> : kMicro<kHalves>;
   // Row blocks as even as possible; every block decodes the panel again, so the caller keeps this kernel to the
   // few rows where decoding is cheaper than streaming float32 weights (model/layers/cpu_gemm_rows.py, CODED_M).
   const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, base = M / blocks, extra = M % blocks;

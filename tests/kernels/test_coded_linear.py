@@ -44,7 +44,7 @@ def test_codes_are_found_and_decode_to_the_same_weights(kind: str, bits: int) ->
 def test_every_legacy_gguf_format_is_found_as_codes(kind: str, bits: int) -> None:
     """Blocks quantized by gguf-py (llama.cpp's quantizers) and decoded as the loader decodes them (model/
     gguf_weights.py): their codes are found, decode to the same weights, and multiply with the panel kernel's bits.
-    K-quants (sub-block scales) are not codes here: they keep the float32 forms."""
+    K-quants (sub-block scales) are not found from values: the loader carries their codes (test_kquant_codes.py)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quantize
 
     from engine_core.checkpoint.gguf_file import GgufTensor

@@ -21,14 +21,14 @@ class CpuFloat32Method(LinearMethod):
     def __init__(self, rows: CpuGemmRows) -> None:
         self.rows = rows
 
-    def codes(self, weight: torch.Tensor) -> torch.Tensor | None:
+    def codes(self, layer: Linear, weight: torch.Tensor) -> torch.Tensor | None:
         """The weight's block codes, for the methods that read them (gguf_codes.py); none here."""
         return None
 
     def process_weights_after_loading(self, layer: Linear) -> None:
         assert layer.weight is not None, "the weights were processed already"
         weight = layer.weight.detach().contiguous()
-        layer.cpu_forms = pack_forms(weight, self.rows, self.codes(weight))
+        layer.cpu_forms = pack_forms(weight, self.rows, self.codes(layer, weight))
         layer.weight = None
         if layer.bias is not None:
             layer.bias = torch.nn.Parameter(layer.bias.detach().contiguous(), requires_grad=False)

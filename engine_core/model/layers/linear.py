@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from engine_core.model.layers.block_codes import BlockCodes, cat_rows
+
 if TYPE_CHECKING:
     from engine_core.model.layers.cpu_forms import CpuWeightForms
 
@@ -79,14 +81,21 @@ class Linear(nn.Module):
         self.bias: nn.Parameter | None = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.method: LinearMethod = UNQUANTIZED
         self.cpu_forms: CpuWeightForms | None = None  # set by the CPU methods (cpu_forms.py)
+        # Each shard's GGUF codes where the checkpoint gave them (K-quants), until the method has read them
+        self.block_codes: list[BlockCodes | None] = [None] * self.num_shards
 
     @property
     def num_shards(self) -> int:
         return len(self.output_sizes)
 
     @torch.no_grad()
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
-        """Copies a checkpoint tensor into `param` (this layer's weight or bias), or into rows of `shard` of it."""
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None, codes: BlockCodes | None = None
+    ) -> None:
+        """Copies a checkpoint tensor into `param` (this layer's weight or bias), or into rows of `shard` of it;
+        `codes`: the weight's GGUF codes, of which `loaded` is the values."""
+        if param is self.weight:
+            self.block_codes[shard or 0] = codes
         if shard is None:
             if self.num_shards != 1:
                 raise ValueError(f"a fused projection of {self.num_shards} shards needs a shard id")
@@ -103,6 +112,12 @@ class Linear(nn.Module):
         self.method = method
         with torch.no_grad():
             method.process_weights_after_loading(self)
+        self.block_codes = [None] * self.num_shards
+
+    def loaded_codes(self) -> BlockCodes | None:
+        """The whole weight's GGUF codes, every shard's stacked; None unless every shard came with codes."""
+        parts = [c for c in self.block_codes if c is not None]
+        return cat_rows(parts) if parts and len(parts) == self.num_shards else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
