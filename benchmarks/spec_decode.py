@@ -76,7 +76,7 @@ STEP_MS: dict[str, list[float]] = {"plain": [], "verify": []}  # the on-arm's de
 
 def batch1(llm: Any, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
     """ms per output token after the first, one request alone; its tokens. Each decode step's time is recorded in
-    STEP_MS by kind (with drafts: "verify", the general forward; without: "plain", the native decode step)."""
+    STEP_MS by kind (with drafts: "verify", 1 + k decode rows per verified row; without: "plain")."""
     from engine_core import SamplingParams
     from engine_core.core.request import Request
 
