@@ -126,3 +126,24 @@ def test_a_repeated_request_is_drafted_from_the_first_ones_output(tiny_dir: Path
     assert_same(off, first)
     assert_same(off, second)
     assert accepted(core) >= 20  # nearly every token of the 30 drafted and accepted
+
+
+def test_pagoda_serve_passes_the_suffix_config_to_the_scheduler() -> None:
+    """`pagoda serve --speculative-config` (parsed by the CLI) reaches the scheduler's own parser unchanged."""
+    from services.cli import _parser
+    from services.scheduler.config import parse_scheduler_args
+
+    spec = '{"method": "suffix", "suffix_decoding_max_tree_depth": 32, "suffix_decoding_max_spec_factor": 2.5}'
+    args = _parser().parse_args(["serve", "--speculative-config", spec])
+    config = args.speculative_config
+    assert (config.method, config.suffix_decoding_max_tree_depth, config.suffix_decoding_max_spec_factor) == (
+        "suffix",
+        32,
+        2.5,
+    )
+    scheduler = parse_scheduler_args(["--speculative-config", config.to_json()])
+    assert scheduler.speculative_config == config
+    with pytest.raises(SystemExit):
+        _parser().parse_args(
+            ["serve", "--speculative-config", '{"method": "suffix", "suffix_decoding_max_tree_depth": 0}']
+        )
