@@ -184,6 +184,7 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--methods", default="ngram,suffix", help="the on-arms, one drafter each")
     ap.add_argument("--skip-random", action="store_true")
+    ap.add_argument("--skip-batch1", action="store_true", help="the random workload only")
     ap.add_argument("--random-arms", default="off,ngram,suffix", help="order of the random workload's runs")
     args = ap.parse_args()
     from engine_core.spec_decode.config import SpeculativeConfig
@@ -201,8 +202,9 @@ def main() -> None:
         arms[method] = ArmView(llm, Drafter(parsed))
     batch1(arms["off"].use(), "off", "Hello", 8)  # warm-up
     result: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(), "specs": specs}
-    result["grounded"] = run_batch1(arms, "grounded", GROUNDED, args.rounds, args.max_tokens)
-    result["agentic"] = run_batch1(arms, "agentic", AGENTIC, args.rounds, args.max_tokens)
+    if not args.skip_batch1:
+        result["grounded"] = run_batch1(arms, "grounded", GROUNDED, args.rounds, args.max_tokens)
+        result["agentic"] = run_batch1(arms, "agentic", AGENTIC, args.rounds, args.max_tokens)
     print(json.dumps(result, indent=1), flush=True)
     if not args.skip_random:
         tok_s: dict[str, list[float]] = {}
