@@ -1,13 +1,15 @@
-"""Speculative decoding (ngram) on vs off, both arms in one process and one window, interleaved.
+"""Speculative decoding (ngram, suffix) on vs off, all arms in one process and one window, interleaved.
 
 1. Batch 1, input-grounded: chat prompts whose answers copy spans of the prompt (repeat a paragraph, fix a
    function, extract fields, quote an earlier turn), greedy, one request alone in the engine: ms per output token
    (decode only, after the first token) through `LLM.generate`, acceptance rate and mean accepted length; the outputs
-   of both arms must be identical.
-2. The 64-request random workload (benchmarks/workload.py): total tok/s on vs off (the adaptive drafter must keep
+   of every arm must be identical.
+2. Batch 1, agentic: one prompt family (a triage agent's fixed instructions and JSON answer format, a different
+   ticket each time) repeated across requests, where other requests' outputs help the suffix method.
+3. The 64-request random workload (benchmarks/workload.py): total tok/s on vs off (the adaptive drafter must keep
    >= 0.97x: random tokens rarely recur, and 64 rows are past `disable_by_batch_size`).
 
-    python benchmarks/spec_decode.py [--rounds 2] [--num-speculative-tokens 4] [--skip-random]
+    python benchmarks/spec_decode.py [--rounds 2] [--methods ngram,suffix] [--skip-random]
 
 Appends one JSON line to benchmarks/results/spec_decode.jsonl.
 """
@@ -45,6 +47,21 @@ GROUNDED = [
     f'Earlier you told me: "{PARAGRAPH}"\nQuote what you told me about bicycles and breakfast.',
 ]
 
+TRIAGE = (
+    "You are a support triage agent. Read the ticket and answer with exactly this JSON and nothing else:\n"
+    '{"ticket": <id>, "team": "billing" | "network" | "accounts", "priority": "low" | "high", '
+    '"summary": "<one sentence>"}\n\nTicket '
+)
+TICKETS = [
+    "1041: My invoice for March was charged twice to my credit card.",
+    "1042: The office VPN drops every ten minutes since the update.",
+    "1043: I cannot log in; the password reset email never arrives.",
+    "1044: Please send me a copy of the invoice for April.",
+    "1045: Our whole team lost internet access this morning.",
+    "1046: I want to change the email address on my account.",
+]
+AGENTIC = [TRIAGE + t for t in TICKETS]
+
 
 class ArmView:
     """One arm of the A/B: the engine with its drafter set (on) or None (off)."""
@@ -71,12 +88,12 @@ def make_llm(args: argparse.Namespace, spec: dict[str, Any] | None) -> Any:
     )
 
 
-STEP_MS: dict[str, list[float]] = {"plain": [], "verify": []}  # the on-arm's decode steps, by kind
+STEP_MS: dict[tuple[str, str], list[float]] = {}  # (arm, "verify" | "plain") -> each decode step's ms
 
 
-def batch1(llm: Any, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
+def batch1(llm: Any, arm: str, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
     """ms per output token after the first, one request alone; its tokens. Each decode step's time is recorded in
-    STEP_MS by kind (with drafts: "verify", the general forward; without: "plain", the native decode step)."""
+    STEP_MS by arm and kind (with drafts: "verify", 1 + k decode rows per verified row; without: "plain")."""
     from engine_core import SamplingParams
     from engine_core.core.request import Request
 
@@ -97,8 +114,51 @@ def batch1(llm: Any, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
             tokens += o.new_token_ids
         if drafter is not None:
             kind = "verify" if drafter.stats.num_drafts > drafts else "plain"
-            STEP_MS[kind].append((time.perf_counter() - s0) * 1000)
+            STEP_MS.setdefault((arm, kind), []).append((time.perf_counter() - s0) * 1000)
     return (time.perf_counter() - t0) * 1000 / max(1, len(tokens) - 1), tokens
+
+
+def run_batch1(arms: dict[str, ArmView], name: str, prompts: list[str], rounds: int, max_tokens: int) -> dict[str, Any]:
+    """Every prompt through every arm (the order rotating prompt by prompt); per arm: mean ms/token, acceptance."""
+    from engine_core.spec_decode.stats import SpecDecodeStats
+
+    for view in arms.values():
+        if view.drafter is not None:
+            view.drafter.stats = SpecDecodeStats()  # this workload's counters alone
+    STEP_MS.clear()
+    names = list(arms)
+    ms: dict[str, list[float]] = {a: [] for a in names}
+    for r in range(rounds):
+        for i, prompt in enumerate(prompts):
+            shift = (r + i) % len(names)
+            got = {}
+            for arm in names[shift:] + names[:shift]:
+                t, tokens = batch1(arms[arm].use(), arm, prompt, max_tokens)
+                ms[arm].append(t)
+                got[arm] = tokens
+            assert all(tokens == got["off"] for tokens in got.values()), f"{name} {i}: outputs differ"
+            line = ", ".join(f"{a} {ms[a][-1]:.2f}" for a in names)
+            print(f"{name} round {r} prompt {i} ({len(got['off'])} tokens), ms/token: {line}", flush=True)
+    result: dict[str, Any] = {}
+    off = sum(ms["off"]) / len(ms["off"])
+    for arm in names:
+        mean = sum(ms[arm]) / len(ms[arm])
+        row: dict[str, Any] = {"ms_per_token": mean, "per_prompt": ms[arm], "speedup": off / mean}
+        drafter = arms[arm].drafter
+        if drafter is not None:
+            stats = drafter.stats
+            row |= {
+                "acceptance_rate": stats.acceptance_rate,
+                "mean_accepted_length": stats.mean_accepted_length,
+                "accepted_per_pos": list(stats.num_accepted_tokens_per_pos),
+                "num_drafts": stats.num_drafts,
+            }
+            for kind in ("plain", "verify"):
+                values = STEP_MS.get((arm, kind), [])
+                row[f"{kind}_step_ms"] = sum(values) / len(values) if values else None
+                row[f"{kind}_steps"] = len(values)
+        result[arm] = row
+    return result
 
 
 def random_workload(llm: Any, args: argparse.Namespace) -> float:
@@ -122,52 +182,37 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--methods", default="ngram,suffix", help="the on-arms, one drafter each")
     ap.add_argument("--skip-random", action="store_true")
-    ap.add_argument("--random-arms", default="off,on,on,off", help="order of the random workload's runs")
+    ap.add_argument("--skip-batch1", action="store_true", help="the random workload only")
+    ap.add_argument("--random-arms", default="off,ngram,suffix", help="order of the random workload's runs")
     args = ap.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
-    # NOTE: one engine, the drafter switched off and on between requests: the same weights and KV cache serve both
-    # arms (two engines' memory got the process killed on the shared machine).
-    llm = make_llm(args, spec)
-    drafter = llm.core.scheduler.drafter
-    arms = {"off": ArmView(llm, None), "on": ArmView(llm, drafter)}
-    batch1(arms["on"].use(), "Hello", 8)  # warm-up
-    ms: dict[str, list[float]] = {"off": [], "on": []}
-    for r in range(args.rounds):
-        for i, prompt in enumerate(GROUNDED):
-            order = ["off", "on"] if (r + i) % 2 == 0 else ["on", "off"]
-            got = {}
-            for arm in order:
-                t, tokens = batch1(arms[arm].use(), prompt, args.max_tokens)
-                ms[arm].append(t)
-                got[arm] = tokens
-            assert got["on"] == got["off"], f"prompt {i}: outputs differ with speculation"
-            print(f"round {r} prompt {i}: off {ms['off'][-1]:.2f} ms/token, on {ms['on'][-1]:.2f} ms/token "
-                  f"({len(got['on'])} tokens)", flush=True)  # fmt: skip
-    stats = drafter.stats  # NOTE: the drafter's own counters: core.stats() reads none while the off arm is set
-    result: dict[str, Any] = {
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        "host": platform.node(),
-        "spec": spec,
-        "batch1_ms_per_token_off": sum(ms["off"]) / len(ms["off"]),
-        "batch1_ms_per_token_on": sum(ms["on"]) / len(ms["on"]),
-        "acceptance_rate": stats.acceptance_rate,
-        "mean_accepted_length": stats.mean_accepted_length,
-        "accepted_per_pos": list(stats.num_accepted_tokens_per_pos),
-    }
-    result["batch1_speedup"] = result["batch1_ms_per_token_off"] / result["batch1_ms_per_token_on"]
-    for kind, values in STEP_MS.items():
-        result[f"on_{kind}_step_ms"] = sum(values) / len(values) if values else None
-        result[f"on_{kind}_steps"] = len(values)
+    from engine_core.spec_decode.config import SpeculativeConfig
+    from engine_core.spec_decode.drafter import Drafter
+
+    specs = {m: {"method": m, "num_speculative_tokens": args.num_speculative_tokens} for m in args.methods.split(",")}
+    # NOTE: one engine, its drafter swapped between requests: the same weights and KV cache serve every arm (two
+    # engines' memory got the process killed on the shared machine).
+    first = next(iter(specs.values()))
+    llm = make_llm(args, first)
+    arms = {"off": ArmView(llm, None)}
+    for method, spec in specs.items():
+        parsed = SpeculativeConfig.parse(spec)
+        assert parsed is not None
+        arms[method] = ArmView(llm, Drafter(parsed))
+    batch1(arms["off"].use(), "off", "Hello", 8)  # warm-up
+    result: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(), "specs": specs}
+    if not args.skip_batch1:
+        result["grounded"] = run_batch1(arms, "grounded", GROUNDED, args.rounds, args.max_tokens)
+        result["agentic"] = run_batch1(arms, "agentic", AGENTIC, args.rounds, args.max_tokens)
     print(json.dumps(result, indent=1), flush=True)
     if not args.skip_random:
         tok_s: dict[str, list[float]] = {}
         for arm in args.random_arms.split(","):
             tok_s.setdefault(arm, []).append(random_workload(arms[arm].use(), args))
             print(f"random workload, {arm}: {tok_s[arm][-1]:.1f} tok/s", flush=True)
-        result["random_tok_s_off"] = tok_s["off"]
-        result["random_tok_s_on"] = tok_s["on"]
-        result["random_ratio"] = sum(tok_s["on"]) / sum(tok_s["off"])
+        result["random_tok_s"] = tok_s
+        result["random_ratio"] = {a: sum(v) / sum(tok_s["off"]) for a, v in tok_s.items()}
     print(json.dumps(result, indent=1))
     RESULTS.parent.mkdir(exist_ok=True)
     with RESULTS.open("a") as f:

@@ -136,13 +136,22 @@ def test_logprobs_match_transformers(smollm2_dir: str, hf_model: torch.nn.Module
             assert abs(out.prompt_logprobs[p][ids[p]].logprob - float(ref[p - 1, ids[p]])) < 1e-4
 
 
-@pytest.mark.parametrize("max_num_batched_tokens", [2048, 24])
+SPEC_METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 32},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_size": 32},
+}
+
+
+@pytest.mark.parametrize(
+    ("method", "max_num_batched_tokens"), [("ngram", 2048), ("ngram", 24), ("suffix", 2048), ("suffix", 24)]
+)
 def test_speculative_decoding(
-    smollm2_dir: str, prompt_ids: list[list[int]], reference: list[list[int]], max_num_batched_tokens: int
+    smollm2_dir: str, prompt_ids: list[list[int]], reference: list[list[int]], method: str, max_num_batched_tokens: int
 ) -> None:
-    """n-gram drafts verified several per step (every prompt's rows in one batch, then chunked prefill): the output
-    is transformers' token for token, and drafts were accepted (prompts like "1, 2, 3, 4, 5," repeat themselves)."""
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 32}
+    """Drafts (n-gram lookup; suffix decoding) verified several per step (every prompt's rows in one batch, then
+    chunked prefill): the output is transformers' token for token, and drafts were accepted (prompts like
+    "1, 2, 3, 4, 5," repeat themselves)."""
+    spec = SPEC_METHODS[method]
     llm = LLM(smollm2_dir, kv_cache_memory=0.5, speculative_config=spec, max_num_batched_tokens=max_num_batched_tokens)
     assert_same(run(llm, prompt_ids), reference)
     stats = llm.core.stats()

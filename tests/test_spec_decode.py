@@ -269,7 +269,7 @@ def test_drafter_backs_off_after_rejections() -> None:
     [
         ({"method": "medusa"}, "speculative_config.method must be one of"),
         ({"prompt_lookup_max": 33}, "speculative_config.prompt_lookup_max must be <= 32"),
-        ({"method": "suffix"}, "not implemented"),
+        ({"method": "draft_model"}, "not implemented"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
         ({"num_speculative_tokens": 17}, "num_speculative_tokens must be <= 16"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),

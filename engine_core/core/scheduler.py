@@ -145,7 +145,7 @@ class Scheduler:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         seq.num_pending = 0  # a step in flight may still sample it: `update` drops that
         if self.drafter is not None:
-            self.drafter.forget(seq.seq_id)
+            self.drafter.forget(seq.seq_id, seq.output_token_ids, seq.request.cache_salt)
         self.kv.free(seq)
         self._forget(seq)
         request = seq.request
@@ -215,7 +215,7 @@ class Scheduler:
         room = min(budget, self.max_model_len - seq.num_tokens) - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
-        drafts = self.drafter.propose(seq.seq_id, seq.token_ids, params, room)
+        drafts = self.drafter.propose(seq.seq_id, seq.token_ids, params, room, seq.request.cache_salt)
         if not drafts:
             return 1, ids
         # `ids` already hold the decode token's slot; `more` are the blocks the drafts add beyond it.

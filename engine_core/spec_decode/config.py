@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, fields
 from typing import Any
 
 # vLLM's methods; only those in IMPLEMENTED run here (the others fail at start-up, by name).
 METHODS = ("ngram", "suffix", "draft_model")
-IMPLEMENTED = ("ngram",)
+IMPLEMENTED = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 # NOTE: the proposer compares every window of the sequence once per n-gram length it tries: bounded per step.
 MAX_PROMPT_LOOKUP = 32
+# NOTE: the suffix proposer narrows its match one token at a time up to the depth: bounded per step.
+MAX_SUFFIX_TREE_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,12 @@ class SpeculativeConfig:
     # is bound by streaming the weights (few rows), not where it is already compute-bound (docs/decisions.md,
     # "Speculative decoding").
     disable_by_batch_size: int = 4
+    # suffix (vLLM's keys and defaults): match + draft length, how many finished requests' outputs are kept (0: none),
+    # draft length <= factor * match length, the least path probability (by counts) a drafted token may have
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ValueError:
@@ -35,7 +44,7 @@ class SpeculativeConfig:
             raise bad("method", f"{self.method!r} is not implemented yet (implemented: {IMPLEMENTED})")
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise bad(key, f"must be an integer >= 1, got {value!r}")
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise bad(
@@ -45,6 +54,22 @@ class SpeculativeConfig:
             raise bad("prompt_lookup_max", f"must be <= {MAX_PROMPT_LOOKUP}, got {self.prompt_lookup_max}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise bad("prompt_lookup_min", f"({self.prompt_lookup_min}) must be <= prompt_lookup_max")
+        depth = self.suffix_decoding_max_tree_depth
+        if not _is_int(depth) or not 2 <= depth <= MAX_SUFFIX_TREE_DEPTH:
+            raise bad(
+                "suffix_decoding_max_tree_depth", f"must be an integer in [2, {MAX_SUFFIX_TREE_DEPTH}], got {depth!r}"
+            )
+        cached = self.suffix_decoding_max_cached_requests
+        if not _is_int(cached) or cached < 0:
+            raise bad("suffix_decoding_max_cached_requests", f"must be an integer >= 0, got {cached!r}")
+        factor = self.suffix_decoding_max_spec_factor
+        if not _is_number(factor) or not 0 < factor <= MAX_SPECULATIVE_TOKENS:
+            raise bad(
+                "suffix_decoding_max_spec_factor", f"must be a number in (0, {MAX_SPECULATIVE_TOKENS}], got {factor!r}"
+            )
+        prob = self.suffix_decoding_min_token_prob
+        if not _is_number(prob) or not 0 <= prob <= 1:
+            raise bad("suffix_decoding_min_token_prob", f"must be a number in [0, 1], got {prob!r}")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -68,3 +93,11 @@ class SpeculativeConfig:
 
     def to_json(self) -> str:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)})
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]

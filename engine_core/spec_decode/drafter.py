@@ -1,9 +1,10 @@
 """The scheduler's side of speculative decoding: which sequences get drafts this step, and how many.
 
-The scheduler owns the tokens, so it proposes (n-gram lookup needs no model); the worker verifies the drafts in the
-step's forward and returns the tokens it accepted plus one of its own. Adaptive in two ways: a step with more
-running sequences than `disable_by_batch_size` proposes nothing, and a sequence whose drafts were all rejected backs
-off (skips 1, 3, 7, ... up to MAX_BACKOFF of its next chances) until a draft is accepted again.
+The scheduler owns the tokens, so it proposes (n-gram lookup and the suffix cache need no model); the worker
+verifies the drafts in the step's forward and returns the tokens it accepted plus one of its own. Adaptive in two
+ways: a step with more running sequences than `disable_by_batch_size` proposes nothing, and a sequence whose drafts
+were all rejected backs off (skips 1, 3, 7, ... up to MAX_BACKOFF of its next chances) until a draft is accepted
+again.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.spec_decode.config import SpeculativeConfig
 from engine_core.spec_decode.ngram import propose_ngram
 from engine_core.spec_decode.stats import SpecDecodeStats
+from engine_core.spec_decode.suffix_cache import SuffixCache
 
 MAX_BACKOFF = 16
 
@@ -50,14 +52,25 @@ class Drafter:
         self.config = config
         self.stats = SpecDecodeStats()
         self._backoff: dict[int, _Backoff] = {}
+        self.suffix: SuffixCache | None = None
+        if config.method == "suffix":
+            self.suffix = SuffixCache(
+                config.suffix_decoding_max_tree_depth,
+                config.suffix_decoding_max_cached_requests,
+                config.suffix_decoding_max_spec_factor,
+                config.suffix_decoding_min_token_prob,
+            )
 
     def active(self, num_running: int) -> bool:
         """Whether a step with `num_running` sequences proposes at all."""
         return num_running <= self.config.disable_by_batch_size
 
-    def propose(self, seq_id: int, token_ids: list[int], params: SamplingParams, room: int) -> list[int]:
+    def propose(
+        self, seq_id: int, token_ids: list[int], params: SamplingParams, room: int, cache_salt: str | None = None
+    ) -> list[int]:
         """Drafts for the position after `token_ids` (at most `room`, what max_tokens, max_model_len and the step's
-        token budget leave); [] when the sequence should decode one token."""
+        token budget leave); [] when the sequence should decode one token. `cache_salt`: the request's tenant (the
+        suffix method proposes from that tenant's cached outputs only)."""
         k = min(self.config.num_speculative_tokens, room)
         if k < 1 or not can_speculate(params):
             return []
@@ -65,6 +78,8 @@ class Drafter:
         if backoff is not None and backoff.skip > 0:
             backoff.skip -= 1
             return []
+        if self.suffix is not None:
+            return self.suffix.propose(token_ids, cache_salt, k)
         return propose_ngram(token_ids, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
     def record(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
@@ -77,5 +92,8 @@ class Drafter:
         backoff.misses += 1
         backoff.skip = min((1 << backoff.misses) - 1, MAX_BACKOFF)
 
-    def forget(self, seq_id: int) -> None:
+    def forget(self, seq_id: int, output_ids: list[int] | None = None, cache_salt: str | None = None) -> None:
+        """A sequence ended; the suffix method caches its output (`output_ids`) for its tenant's later requests."""
         self._backoff.pop(seq_id, None)
+        if self.suffix is not None and output_ids:
+            self.suffix.add_output(output_ids, cache_salt)

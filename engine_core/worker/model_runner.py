@@ -47,6 +47,7 @@ from engine_core.worker.mixed_graphs import CudaGraphMixedStep, token_buckets
 from engine_core.worker.spec_verify import Verification, advance_verified, write_drafts
 from engine_core.worker.step_functions import StepFunction, pick_step_function
 from engine_core.worker.step_sampling import StepSample, batch_metadata, sample_step
+from engine_core.worker.verify_rows import as_decode_rows
 from kernels import cpu as cpu_kernels
 from kernels.triton_mode import configure_triton_interpret
 
@@ -328,7 +329,9 @@ class ModelRunner:
         # sampled tokens come back.
         if self._staging is not None:
             self._staging.begin()
-        meta = self._attention_metadata(inputs)
+        # NOTE: a step of decode and verification rows only runs as decode rows, one per query token (verify_rows.py)
+        decode_rows = as_decode_rows(inputs, drafts, self.config.max_num_seqs) if drafts else None
+        meta = self._attention_metadata(decode_rows or inputs)
         input_ids = self._to_device("input_ids", inputs.input_ids)
         positions = self._to_device("positions", inputs.positions)
         last_token = self._to_device("sample_index", logit_index)

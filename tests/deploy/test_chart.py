@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import kubernetes_validate
 import pytest
 import yaml
 
+from engine_core.spec_decode.config import SpeculativeConfig
 from services.common.health import LIVENESS_SERVICE
 from services.model_fetch import parse_args as parse_fetch_args
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
@@ -425,6 +427,22 @@ def test_frontend_http_limits_reach_the_frontend_only_when_set(render: Any) -> N
     frontend = parse_container(r, "frontend", dict(pagoda_containers(r))["frontend"]).http_connections
     assert (frontend.header_timeout, frontend.max_connections_per_client, frontend.max_connections) == (5.0, 0, 100)
     assert frontend.body_timeout == default.http_connections.body_timeout  # unset: the frontend's own default
+
+
+def test_speculative_config_reaches_the_scheduler(render: Any) -> None:
+    """engine.speculativeConfig (vLLM's keys, here the suffix method's) is the scheduler's parsed SpeculativeConfig."""
+    default = parse_container(render("default"), "scheduler", dict(pagoda_containers(render("default")))["scheduler"])
+    assert default.speculative_config is None
+    spec = {"method": "suffix", "num_speculative_tokens": 6, "suffix_decoding_max_cached_requests": 100,
+            "suffix_decoding_min_token_prob": 0.2}  # fmt: skip
+    out = helm_template("--set-json", f"engine.speculativeConfig={json.dumps(spec)}")
+    assert out.returncode == 0, out.stderr
+    r = Rendered("suffix", [o for o in yaml.safe_load_all(out.stdout) if o])
+    got = parse_container(r, "scheduler", dict(pagoda_containers(r))["scheduler"]).speculative_config
+    assert got == SpeculativeConfig(**spec)
+    too_likely = {"method": "suffix", "suffix_decoding_min_token_prob": 2}
+    bad = helm_template("--set-json", f"engine.speculativeConfig={json.dumps(too_likely)}")
+    assert "values don't meet the specifications of the schema" in bad.stderr, bad.stderr
 
 
 def test_chat_content_special_tokens_is_off_unless_set(render: Any) -> None:
