@@ -190,7 +190,8 @@ class Scheduler:
         room = min(budget, self.max_model_len - seq.num_tokens) - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
-        drafts = self.drafter.propose(seq.seq_id, seq.token_ids, params, room)
+        proposal = seq.draft_proposal if seq.proposal_at == seq.num_tokens else None
+        drafts = self.drafter.propose(seq.seq_id, seq.token_ids, params, room, proposal)
         if not drafts:
             return 1, ids
         # `ids` already hold the decode token's slot; `more` are the blocks the drafts add beyond it.
@@ -441,6 +442,9 @@ class Scheduler:
                     self.finish_seq(seq, reason, stop_reason)
                     break
             updates.append(SequenceUpdate(seq, new_tokens, first))
+            if runner_out.draft_token_ids and not seq.is_finished:
+                seq.draft_proposal = runner_out.draft_token_ids.get(seq_id, [])
+                seq.proposal_at = seq.num_tokens
         if self.beam_groups:
             for group in list(self.beam_groups.values()):
                 if group.ready and group.advance(self):

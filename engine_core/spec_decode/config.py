@@ -8,7 +8,7 @@ from typing import Any
 
 # vLLM's methods; only those in IMPLEMENTED run here (the others fail at start-up, by name).
 METHODS = ("ngram", "suffix", "draft_model")
-IMPLEMENTED = ("ngram",)
+IMPLEMENTED = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 # NOTE: the proposer compares every window of the sequence once per n-gram length it tries: bounded per step.
 MAX_PROMPT_LOOKUP = 32
@@ -24,6 +24,8 @@ class SpeculativeConfig:
     # is bound by streaming the weights (few rows), not where it is already compute-bound (docs/decisions.md,
     # "Speculative decoding").
     disable_by_batch_size: int = 4
+    # draft_model: the draft's path or hub id (vLLM's key), a smaller model with the target's tokenizer.
+    model: str | None = None
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ValueError:
@@ -33,6 +35,10 @@ class SpeculativeConfig:
             raise bad("method", f"must be one of {METHODS}, got {self.method!r}")
         if self.method not in IMPLEMENTED:
             raise bad("method", f"{self.method!r} is not implemented yet (implemented: {IMPLEMENTED})")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model.strip()):
+            raise bad("model", "must name the draft model (a path or hub id) for method 'draft_model'")
+        if self.method != "draft_model" and self.model is not None:
+            raise bad("model", f"is only read by method 'draft_model', not {self.method!r}")
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -55,9 +55,12 @@ class Drafter:
         """Whether a step with `num_running` sequences proposes at all."""
         return num_running <= self.config.disable_by_batch_size
 
-    def propose(self, seq_id: int, token_ids: list[int], params: SamplingParams, room: int) -> list[int]:
+    def propose(
+        self, seq_id: int, token_ids: list[int], params: SamplingParams, room: int, proposal: list[int] | None = None
+    ) -> list[int]:
         """Drafts for the position after `token_ids` (at most `room`, what max_tokens, max_model_len and the step's
-        token budget leave); [] when the sequence should decode one token."""
+        token budget leave); [] when the sequence should decode one token. `proposal`: the worker's draft-model
+        proposal for that position (draft_model method; None when it has none)."""
         k = min(self.config.num_speculative_tokens, room)
         if k < 1 or not can_speculate(params):
             return []
@@ -65,6 +68,8 @@ class Drafter:
         if backoff is not None and backoff.skip > 0:
             backoff.skip -= 1
             return []
+        if self.config.method == "draft_model":
+            return list(proposal[:k]) if proposal else []
         return propose_ngram(token_ids, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
     def record(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
