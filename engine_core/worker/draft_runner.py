@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import structlog
 import torch
 
 from engine_core.attention.backend import AttentionMetadata
@@ -39,6 +40,8 @@ from engine_core.worker.draft_model import DraftModel
 from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.spec_verify import Verification
 from engine_core.worker.step_sampling import StepSample
+
+log = structlog.get_logger(__name__)
 
 
 def is_random(params: SamplingParams) -> bool:
@@ -152,6 +155,17 @@ class DraftRunner:
         rows = self._rows(batch, seq_ids)
         if not rows:
             return {}
+        try:
+            return self._propose(batch, sampling, rows)
+        except Exception:
+            # NOTE: drafts are optional: a failing draft costs the step its proposals, never a request. The rows'
+            # draft K/V may be half-written, so they recompute it at their next proposal.
+            log.exception("the draft model's proposal failed; the step's rows decode without drafts")
+            for r in rows:
+                self._computed[r.seq_id] = 0
+            return {}
+
+    def _propose(self, batch: InputBatch, sampling: SamplingBatch, rows: list[_Row]) -> dict[int, list[int]]:
         tables = self._block_tables(batch, rows)
         drafts: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
