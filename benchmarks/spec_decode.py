@@ -1,4 +1,4 @@
-"""Speculative decoding (ngram) on vs off, both arms in one process and one window, interleaved.
+"""Speculative decoding (ngram, or draft_model) on vs off, both arms in one process and one window, interleaved.
 
 1. Batch 1, input-grounded: chat prompts whose answers copy spans of the prompt (repeat a paragraph, fix a
    function, extract fields, quote an earlier turn), greedy, one request alone in the engine: ms per output token
@@ -8,6 +8,8 @@
    >= 0.97x: random tokens rarely recur, and 64 rows are past `disable_by_batch_size`).
 
     python benchmarks/spec_decode.py [--rounds 2] [--num-speculative-tokens 4] [--skip-random]
+        [--method draft_model [--draft-model PATH]]  (default draft: the target itself, every draft accepted: the
+        mechanism's overhead, not a real pairing's speed-up)
 
 Appends one JSON line to benchmarks/results/spec_decode.jsonl.
 """
@@ -47,13 +49,14 @@ GROUNDED = [
 
 
 class ArmView:
-    """One arm of the A/B: the engine with its drafter set (on) or None (off)."""
+    """One arm of the A/B: the engine with its drafter (and, for draft_model, the worker's draft) set (on) or None."""
 
-    def __init__(self, llm: Any, drafter: Any) -> None:
-        self.llm, self.drafter = llm, drafter
+    def __init__(self, llm: Any, drafter: Any, draft: Any) -> None:
+        self.llm, self.drafter, self.draft = llm, drafter, draft
 
     def use(self) -> Any:
         self.llm.core.scheduler.drafter = self.drafter
+        self.llm.engine.runner.draft = self.draft  # NOTE: requests never straddle arms, so no draft state goes stale
         return self.llm
 
 
@@ -124,13 +127,21 @@ def main() -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--skip-random", action="store_true")
     ap.add_argument("--random-arms", default="off,on,on,off", help="order of the random workload's runs")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "draft_model"])
+    ap.add_argument("--draft-model", default=None, help="draft_model's draft; default the target itself")
     args = ap.parse_args()
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+    spec: dict[str, Any] = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens}
+    if args.method == "draft_model":
+        from engine_core.checkpoint.model_files import resolve_model_dir
+        from engine_core.config import default_cache_dir
+
+        spec["model"] = args.draft_model or resolve_model_dir(args.model, default_cache_dir())
     # NOTE: one engine, the drafter switched off and on between requests: the same weights and KV cache serve both
     # arms (two engines' memory got the process killed on the shared machine).
     llm = make_llm(args, spec)
     drafter = llm.core.scheduler.drafter
-    arms = {"off": ArmView(llm, None), "on": ArmView(llm, drafter)}
+    draft = llm.engine.runner.draft
+    arms = {"off": ArmView(llm, None, None), "on": ArmView(llm, drafter, draft)}
     batch1(arms["on"].use(), "Hello", 8)  # warm-up
     ms: dict[str, list[float]] = {"off": [], "on": []}
     for r in range(args.rounds):
