@@ -338,6 +338,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_pending = 0
         seq.spec_token_ids = []
+        seq.proposal_at = -1  # NOTE: the worker forgets the sequence, and the draft's q with it
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.request.timings.events.append(

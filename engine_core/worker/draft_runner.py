@@ -144,11 +144,12 @@ class DraftRunner:
     # ---- proposing --------------------------------------------------------------------------------------------
     def propose(self, batch: InputBatch, sampling: SamplingBatch, seq_ids: list[int]) -> dict[int, list[int]]:
         """After a step: the drafts for each sequence in `seq_ids` (those it sampled, each once) that speculates."""
-        for seq_id in seq_ids:
-            # NOTE: position n-1 holds the token the target sampled (a draft's only if it was accepted): the draft's
-            # K/V is valid before it, where the tokens are those the draft computed.
+        # NOTE: only sequences the draft has computed for have state to settle (a large batch's rows have none):
+        # position n-1 holds the token the target sampled (a draft's only if it was accepted), so the draft's K/V
+        # is valid before it, where the tokens are those the draft computed.
+        for seq_id in self._computed.keys() & set(seq_ids) if self._computed else ():
             row = batch.row_of[seq_id]
-            self._computed[seq_id] = min(self._computed.get(seq_id, 0), int(batch.num_tokens[row]) - 1)
+            self._computed[seq_id] = min(self._computed[seq_id], int(batch.num_tokens[row]) - 1)
             self._proposals.pop(seq_id, None)
         if len(batch) > self.max_rows:
             return {}
