@@ -13,12 +13,16 @@ import torch
 
 from engine_core.attention.selector import create_backend
 from engine_core.config import EngineConfig
+from engine_core.model.layers.cpu_gemm_rows import can_pack
 from engine_core.model.layers.layer_ops import select_layer_ops
 from engine_core.model.layers.linear import process_linear_weights
 from engine_core.model.layers.selector import select_linear_method
 from engine_core.model.llama import model_class
 from engine_core.model.loader import architecture, iter_weights, load_config
+from engine_core.model.native_decode import NativeDecodeStep
 from engine_core.worker.host_memory import zeroed_host_tensor
+from engine_core.worker.step_functions import StepFunction
+from kernels import cpu as cpu_kernels
 
 
 class DraftModel:
@@ -61,14 +65,18 @@ class DraftModel:
             head_dim**-0.5,
             dtype,
         )
-        # NOTE: the same construction as the target's (ModelRunner.__init__): the draft's forward is the model's
-        # layer loop; a draft is small, so its steps do not take the native decode step or CUDA graphs.
+        # NOTE: the same construction as the target's (ModelRunner.__init__). The draft's one-token forwards take the
+        # native decode step where the target's would (CPU); its catch-up forwards, and every forward on CUDA, run
+        # the layer loop (no CUDA graphs for the draft).
         with torch.device(self.device):
             model = model_class(architecture(hf))(hf, self.backend, max_model_len)
         model.load_weights(iter_weights(draft_dir, hf))
         self.model = model.to(dtype=dtype).eval()
         process_linear_weights(self.model, select_linear_method(self.device, dtype, None, gemm_dtype))
         self.model.use_layer_ops(select_layer_ops(self.device, dtype, self.backend.name))
+        self.decode_step: StepFunction | None = None
+        if can_pack(self.device, dtype) and cpu_kernels.available() and self.backend.name == "cpu":
+            self.decode_step = NativeDecodeStep(self.model)
         self.model.rotary.to(torch.float32)
         elt = torch.tensor([], dtype=dtype).element_size()
         self.block_bytes = 2 * config.block_size * self.num_kv_heads * self.head_dim * elt * self.num_layers

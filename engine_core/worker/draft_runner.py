@@ -39,6 +39,7 @@ from engine_core.spec_decode.drafter import can_speculate
 from engine_core.worker.draft_model import DraftModel
 from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.spec_verify import Verification
+from engine_core.worker.step_functions import pick_step_function
 from engine_core.worker.step_sampling import StepSample
 
 log = structlog.get_logger(__name__)
@@ -285,7 +286,8 @@ class DraftRunner:
     def _forward(self, input_ids: np.ndarray, positions: np.ndarray, meta: AttentionMetadata) -> torch.Tensor:
         self.model.backend.prepare(meta)
         ids, pos = self._tensor(input_ids.astype(np.int64)), self._tensor(positions.astype(np.int64))
-        return self.model.model(ids, pos, self.model.kv_caches, meta)
+        step = pick_step_function(self.model.model, self.model.decode_step, meta)
+        return step(ids, pos, self.model.kv_caches, meta)
 
     def _sample(
         self,
