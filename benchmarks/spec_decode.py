@@ -1,4 +1,4 @@
-"""Speculative decoding (ngram, suffix) on vs off, all arms in one process and one window, interleaved.
+"""Speculative decoding (ngram, suffix, draft_model) on vs off, all arms in one process and one window, interleaved.
 
 1. Batch 1, input-grounded: chat prompts whose answers copy spans of the prompt (repeat a paragraph, fix a
    function, extract fields, quote an earlier turn), greedy, one request alone in the engine: ms per output token
@@ -9,7 +9,9 @@
 3. The 64-request random workload (benchmarks/workload.py): total tok/s on vs off (the adaptive drafter must keep
    >= 0.97x: random tokens rarely recur, and 64 rows are past `disable_by_batch_size`).
 
-    python benchmarks/spec_decode.py [--rounds 2] [--methods ngram,suffix] [--skip-random]
+    python benchmarks/spec_decode.py [--rounds 2] [--methods ngram,suffix[,draft_model]] [--draft-model PATH]
+        [--skip-random]  (draft_model's default draft is the target itself: every draft accepted, so it shows the
+        mechanism's overhead, not a real pairing's speed-up)
 
 Appends one JSON line to benchmarks/results/spec_decode.jsonl.
 """
@@ -64,13 +66,14 @@ AGENTIC = [TRIAGE + t for t in TICKETS]
 
 
 class ArmView:
-    """One arm of the A/B: the engine with its drafter set (on) or None (off)."""
+    """One arm of the A/B: the engine with its drafter (and, for draft_model, the worker's draft) set, or None (off)."""
 
-    def __init__(self, llm: Any, drafter: Any) -> None:
-        self.llm, self.drafter = llm, drafter
+    def __init__(self, llm: Any, drafter: Any, draft: Any = None) -> None:
+        self.llm, self.drafter, self.draft = llm, drafter, draft
 
     def use(self) -> Any:
         self.llm.core.scheduler.drafter = self.drafter
+        self.llm.engine.runner.draft = self.draft  # NOTE: requests never straddle arms, so no draft state goes stale
         return self.llm
 
 
@@ -182,7 +185,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--methods", default="ngram,suffix", help="the on-arms, one drafter each")
+    ap.add_argument("--methods", default="ngram,suffix", help="the on-arms, one drafter each (or draft_model)")
+    ap.add_argument("--draft-model", default=None, help="draft_model's draft; default the target itself")
     ap.add_argument("--skip-random", action="store_true")
     ap.add_argument("--skip-batch1", action="store_true", help="the random workload only")
     ap.add_argument("--random-arms", default="off,ngram,suffix", help="order of the random workload's runs")
@@ -191,15 +195,22 @@ def main() -> None:
     from engine_core.spec_decode.drafter import Drafter
 
     specs = {m: {"method": m, "num_speculative_tokens": args.num_speculative_tokens} for m in args.methods.split(",")}
+    if "draft_model" in specs:
+        from engine_core.checkpoint.model_files import resolve_model_dir
+        from engine_core.config import default_cache_dir
+
+        specs["draft_model"]["model"] = args.draft_model or resolve_model_dir(args.model, default_cache_dir())
     # NOTE: one engine, its drafter swapped between requests: the same weights and KV cache serve every arm (two
-    # engines' memory got the process killed on the shared machine).
-    first = next(iter(specs.values()))
+    # engines' memory got the process killed on the shared machine). With draft_model the engine is made with it, so
+    # the worker loads the draft; the other arms run without it.
+    first = specs.get("draft_model") or next(iter(specs.values()))
     llm = make_llm(args, first)
+    draft = llm.engine.runner.draft
     arms = {"off": ArmView(llm, None)}
     for method, spec in specs.items():
         parsed = SpeculativeConfig.parse(spec)
         assert parsed is not None
-        arms[method] = ArmView(llm, Drafter(parsed))
+        arms[method] = ArmView(llm, Drafter(parsed), draft if method == "draft_model" else None)
     batch1(arms["off"].use(), "off", "Hello", 8)  # warm-up
     result: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(), "specs": specs}
     if not args.skip_batch1:

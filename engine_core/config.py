@@ -108,6 +108,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        spec = self.speculative_config
+        if spec is not None and spec.method == "draft_model" and self.tensor_parallel_size > 1:
+            # NOTE: the draft model is not sharded: it would run whole on every rank.
+            raise ValueError("speculative_config method 'draft_model' runs with tensor_parallel_size 1 only")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
 

@@ -117,3 +117,6 @@ class ModelRunnerOutput:
     # Rows that failed alone (their sampling or a logits processor raised, or no token could be sampled): seq_id ->
     # message. The scheduler ends those sequences with an error; the step's other rows are unaffected.
     errors: dict[int, str] = field(default_factory=dict)
+    # Speculative decoding (draft_model): seq_id -> the draft model's proposal for the sequence's next step, made
+    # after this step's tokens; the scheduler schedules it as `scheduled_spec_decode_tokens` (or a prefix of it).
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)

@@ -112,7 +112,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     config.with_replicas(args.replicas)
     if args.speculative_config is not None:
-        config.extra_scheduler_args += ["--speculative-config", args.speculative_config.to_json()]
+        flag = ["--speculative-config", args.speculative_config.to_json()]
+        config.extra_scheduler_args += flag
+        config.extra_worker_args += flag  # NOTE: a draft_model method's draft runs in the worker
     cluster = LocalCluster(config)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

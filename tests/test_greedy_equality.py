@@ -157,3 +157,17 @@ def test_speculative_decoding(
     stats = llm.core.stats()
     assert stats.spec_decode_num_accepted_tokens > 0
     assert stats.free_blocks == stats.total_blocks
+
+
+def test_speculative_decoding_with_a_draft_model(
+    smollm2_dir: str, prompt_ids: list[list[int]], reference: list[list[int]]
+) -> None:
+    """The draft_model method with the target as its own draft, chunked prefill (the draft catches up a prompt over
+    several proposals): the output is transformers' token for token, and (nearly) every draft is accepted."""
+    spec = {"method": "draft_model", "model": smollm2_dir, "num_speculative_tokens": 3, "disable_by_batch_size": 32}
+    llm = LLM(smollm2_dir, kv_cache_memory=0.5, speculative_config=spec, max_num_batched_tokens=24)
+    assert_same(run(llm, prompt_ids), reference)
+    stats = llm.core.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens >= 0.9 * stats.spec_decode_num_draft_tokens
+    assert stats.free_blocks == stats.total_blocks

@@ -269,7 +269,7 @@ def test_drafter_backs_off_after_rejections() -> None:
     [
         ({"method": "medusa"}, "speculative_config.method must be one of"),
         ({"prompt_lookup_max": 33}, "speculative_config.prompt_lookup_max must be <= 32"),
-        ({"method": "draft_model"}, "not implemented"),
+        ({"method": "draft_model"}, "speculative_config.model must name the draft model"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
         ({"num_speculative_tokens": 17}, "num_speculative_tokens must be <= 16"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
@@ -281,6 +281,11 @@ def test_drafter_backs_off_after_rejections() -> None:
 def test_bad_config_is_refused_at_start_up(value: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         EngineConfig(speculative_config=value)  # type: ignore[arg-type]
+
+
+def test_a_draft_model_is_refused_with_tensor_parallelism() -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        EngineConfig(speculative_config={"method": "draft_model", "model": "m"}, tensor_parallel_size=3)  # type: ignore[arg-type]
 
 
 def test_config_parses_json_and_dicts() -> None:

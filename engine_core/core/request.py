@@ -121,6 +121,10 @@ class Sequence:
     # Draft tokens the step in flight verifies (speculative decoding): the scheduler counted them as computed, and
     # `Scheduler.update` takes back those the worker rejected.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The worker's draft-model proposal for the position after token `proposal_at - 1` (valid while num_tokens is
+    # still `proposal_at`): what `Drafter.propose` schedules for the draft_model method.
+    draft_proposal: list[int] = field(default_factory=list)
+    proposal_at: int = -1
 
     @property
     def num_tokens(self) -> int:

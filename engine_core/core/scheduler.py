@@ -215,7 +215,8 @@ class Scheduler:
         room = min(budget, self.max_model_len - seq.num_tokens) - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
-        drafts = self.drafter.propose(seq.seq_id, seq.token_ids, params, room, seq.request.cache_salt)
+        proposal = seq.draft_proposal if seq.proposal_at == seq.num_tokens else None
+        drafts = self.drafter.propose(seq.seq_id, seq.token_ids, params, room, seq.request.cache_salt, proposal)
         if not drafts:
             return 1, ids
         # `ids` already hold the decode token's slot; `more` are the blocks the drafts add beyond it.
@@ -362,6 +363,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_pending = 0
         seq.spec_token_ids = []
+        seq.proposal_at = -1  # NOTE: the worker forgets the sequence, and the draft's q with it
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.request.timings.events.append(
@@ -466,6 +468,9 @@ class Scheduler:
                     self.finish_seq(seq, reason, stop_reason)
                     break
             updates.append(SequenceUpdate(seq, new_tokens, first))
+            if runner_out.draft_token_ids and not seq.is_finished:
+                seq.draft_proposal = runner_out.draft_token_ids.get(seq_id, [])
+                seq.proposal_at = seq.num_tokens
         if self.beam_groups:
             for group in list(self.beam_groups.values()):
                 if group.ready and group.advance(self):

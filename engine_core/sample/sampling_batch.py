@@ -215,6 +215,12 @@ class SamplingBatch:
         for processor in meta.processors:
             processor.record(token_ids, host_token_ids)
 
+    def seed_of(self, seq_id: int) -> int | None:
+        """A seeded random sequence's seed; None for the others (speculative decoding's draws follow it)."""
+        slot = self._slots.get(seq_id)
+        info = None if slot is None else self._info[slot]
+        return None if info is None or info.seeded is None else info.seeded.seed
+
     def rewind_seeded(self, seq_id: int, steps: int) -> None:
         """Takes back a seeded sequence's last `steps` draws (speculative decoding: positions after a rejected draft
         were sampled but are not its outputs), so its step stays its number of outputs."""

@@ -7,9 +7,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-# vLLM's methods; only those in IMPLEMENTED run here (the others fail at start-up, by name).
+# vLLM's methods (an unknown one fails at start-up, by name).
 METHODS = ("ngram", "suffix", "draft_model")
-IMPLEMENTED = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16
 # NOTE: the proposer compares every window of the sequence once per n-gram length it tries: bounded per step.
 MAX_PROMPT_LOOKUP = 32
@@ -33,6 +32,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draft_model: the draft's path or hub id (vLLM's key), a smaller model with the target's tokenizer.
+    model: str | None = None
 
     def __post_init__(self) -> None:
         def bad(key: str, why: str) -> ValueError:
@@ -40,8 +41,10 @@ class SpeculativeConfig:
 
         if self.method not in METHODS:
             raise bad("method", f"must be one of {METHODS}, got {self.method!r}")
-        if self.method not in IMPLEMENTED:
-            raise bad("method", f"{self.method!r} is not implemented yet (implemented: {IMPLEMENTED})")
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model.strip()):
+            raise bad("model", "must name the draft model (a path or hub id) for method 'draft_model'")
+        if self.method != "draft_model" and self.model is not None:
+            raise bad("model", f"is only read by method 'draft_model', not {self.method!r}")
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, key)
             if not _is_int(value) or value < 1:

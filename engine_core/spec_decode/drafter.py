@@ -66,11 +66,18 @@ class Drafter:
         return num_running <= self.config.disable_by_batch_size
 
     def propose(
-        self, seq_id: int, token_ids: list[int], params: SamplingParams, room: int, cache_salt: str | None = None
+        self,
+        seq_id: int,
+        token_ids: list[int],
+        params: SamplingParams,
+        room: int,
+        cache_salt: str | None = None,
+        proposal: list[int] | None = None,
     ) -> list[int]:
         """Drafts for the position after `token_ids` (at most `room`, what max_tokens, max_model_len and the step's
         token budget leave); [] when the sequence should decode one token. `cache_salt`: the request's tenant (the
-        suffix method proposes from that tenant's cached outputs only)."""
+        suffix method proposes from that tenant's cached outputs only). `proposal`: the worker's draft-model
+        proposal for that position (draft_model method; None when it has none)."""
         k = min(self.config.num_speculative_tokens, room)
         if k < 1 or not can_speculate(params):
             return []
@@ -80,6 +87,8 @@ class Drafter:
             return []
         if self.suffix is not None:
             return self.suffix.propose(token_ids, cache_salt, k)
+        if self.config.method == "draft_model":
+            return list(proposal[:k]) if proposal else []
         return propose_ngram(token_ids, k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
     def record(self, seq_id: int, num_draft: int, num_accepted: int) -> None:

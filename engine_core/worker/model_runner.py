@@ -19,6 +19,7 @@ import torch
 from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.selector import create_backend
 from engine_core.checkpoint.model_dir import gguf_file
+from engine_core.checkpoint.model_files import resolve_model_dir
 from engine_core.config import EngineConfig
 from engine_core.distributed import collectives
 from engine_core.distributed.parallel_state import TensorParallel, kv_heads_per_rank
@@ -39,6 +40,8 @@ from engine_core.structured_output.guidance import backend_for_model
 from engine_core.worker.beam_rows import apply_beam_deltas
 from engine_core.worker.cuda_graphs import CudaGraphDecodeStep, capture_sizes
 from engine_core.worker.device_inputs import DeviceInputs, step_input_specs
+from engine_core.worker.draft_model import DraftModel
+from engine_core.worker.draft_runner import DraftRunner
 from engine_core.worker.driver_sampling import sample_on_driver
 from engine_core.worker.host_memory import zeroed_host_tensor
 from engine_core.worker.input_batch import InputBatch, StepInputs
@@ -180,6 +183,7 @@ class ModelRunner:
         self.grammar_backend = backend_for_model(model_dir, hf.vocab_size, getattr(hf, "eos_token_id", None))
         self.last_timings = StepTimings()  # of the latest execute(); read by the worker service for its spans
         self.max_blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
+        self.draft = self._load_draft()
         self.reset()
         # CUDA: a step's inputs travel through pinned buffers into persistent device tensors (device_inputs.py), and
         # decode-only steps (cuda_graphs.py) and steps with prefill chunks (mixed_graphs.py) replay CUDA graphs,
@@ -192,6 +196,17 @@ class ModelRunner:
             if backend.name == "triton" and not config.enforce_eager:
                 self.decode_step = self._cuda_graph_step(num_kv_heads)
                 self.mixed_step = self._mixed_graph_step(num_kv_heads, max_tokens)
+
+    def _load_draft(self) -> DraftRunner | None:
+        """speculative_config method draft_model: the draft model and its proposer (draft_runner.py)."""
+        spec = self.config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        assert spec.model is not None  # SpeculativeConfig checks it
+        draft_dir = resolve_model_dir(spec.model, self.config.cache_dir)
+        vocab, max_len = self.info.vocab_size, self.max_model_len
+        draft = DraftModel(self.config, draft_dir, vocab, max_len, self.dtype, self.gemm_dtype)
+        return DraftRunner(self.config, spec, draft, max_len)
 
     def reset(self) -> None:
         """Forgets every sequence (a new scheduler, i.e. cache epoch, restarts seq ids): a fresh persistent batch and
@@ -247,7 +262,11 @@ class ModelRunner:
             budget = int(free * self.config.gpu_memory_utilization)
         else:
             budget = int(self.config.kv_cache_memory * GIB)
-        return max(2, budget // self.info.block_bytes)
+        per_block = self.info.block_bytes
+        if self.draft is not None:  # NOTE: the draft's cache has a block for each of the pool's, plus its scratch
+            per_block += self.draft.model.block_bytes
+            budget -= self.draft.scratch_blocks * self.draft.model.block_bytes
+        return max(2, budget // per_block)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         info = self.info
@@ -265,6 +284,8 @@ class ModelRunner:
             self._prefaulter.start()
         else:
             self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
+        if self.draft is not None:
+            self.draft.init_kv_cache(num_blocks, "num_kv_blocks" if self.config.num_kv_blocks else "kv_cache_memory")
         tokens = num_blocks * self.config.block_size
         log.info(
             "KV cache allocated",
@@ -362,11 +383,17 @@ class ModelRunner:
         tokens = sampled.tokens
         out.errors = sampled.errors
         if verify is not None:
-            return self._emit_verified(out, verify, inputs, sample_idx, sampled)
-        self.batch.advance(inputs, inputs.rows[sample_idx], np.where(tokens == FAILED_TOKEN, 0, tokens))
-        out.seq_ids = sample_seq_ids
-        out.sampled_token_ids = tokens.tolist()
-        out.logprobs = sampled.logprobs
+            if self.draft is not None:
+                self.draft.resample(verify, logits, sampled, self.batch, self.sampling)
+            out = self._emit_verified(out, verify, inputs, sample_idx, sampled)
+        else:
+            self.batch.advance(inputs, inputs.rows[sample_idx], np.where(tokens == FAILED_TOKEN, 0, tokens))
+            out.seq_ids = sample_seq_ids
+            out.sampled_token_ids = tokens.tolist()
+            out.logprobs = sampled.logprobs
+        if self.draft is not None:
+            proposing = [s for s in dict.fromkeys(out.seq_ids) if s not in out.errors]
+            out.draft_token_ids = self.draft.propose(self.batch, self.sampling, proposing)
         return out
 
     def _emit_verified(
@@ -398,6 +425,8 @@ class ModelRunner:
         self.batch.remove(seq_id)
         self.sampling.remove(seq_id)
         self._prompt_logprob_seqs.discard(seq_id)
+        if self.draft is not None:
+            self.draft.forget(seq_id)
 
     def _apply_deltas(self, plan: SchedulerOutput) -> None:
         if plan.beam_deltas:

@@ -23,6 +23,7 @@ WORKER_FIELDS = (
     "max_model_len",
     "attention_backend", "enforce_eager", "num_threads", "seed", "max_num_seqs", "num_kv_blocks",
     "tensor_parallel_size",
+    "speculative_config",  # NOTE: the worker loads a draft_model method's draft
 )  # fmt: skip
 # What shapes continuous batching (the worker's --max-num-seqs must be at least the scheduler's).
 SCHEDULER_FIELDS = (

@@ -105,6 +105,8 @@ def result_to_proto(out: ModelRunnerOutput) -> worker_pb2.ExecuteResponse:
         _matrix_to_proto(out.logprobs, msg.logprobs)
     for seq_id, plp in out.prompt_logprobs.items():
         _matrix_to_proto(plp.tensors, msg.prompt_logprobs.add(seq_id=seq_id, start=plp.start).tensors)
+    for seq_id, drafts in out.draft_token_ids.items():
+        msg.draft_token_ids.add(seq_id=seq_id, token_ids=drafts)
     return msg
 
 
@@ -115,4 +117,5 @@ def result_from_proto(msg: worker_pb2.ExecuteResponse) -> ModelRunnerOutput:
         logprobs=_matrix_from_proto(msg.logprobs) if msg.HasField("logprobs") else None,
         prompt_logprobs={p.seq_id: PromptLogprobs(p.start, _matrix_from_proto(p.tensors)) for p in msg.prompt_logprobs},
         errors=dict(msg.errors),
+        draft_token_ids={d.seq_id: list(d.token_ids) for d in msg.draft_token_ids},
     )

@@ -170,6 +170,19 @@ def test_engine_settings_reach_the_services(render: Any) -> None:
     assert parse_container(render("cpu"), "worker", cpu["worker"]).engine.num_threads == 4
 
 
+def test_a_draft_model_speculative_config_reaches_the_worker_and_the_scheduler() -> None:
+    """engine.speculativeConfig with method draft_model: the worker loads the draft, the scheduler schedules it."""
+    value = '{"method": "draft_model", "model": "/models/draft", "num_speculative_tokens": 3}'
+    out = helm_template(*profile_args("cpu"), "--set-json", f"engine.speculativeConfig={value}")
+    assert out.returncode == 0, out.stderr
+    r = Rendered("cpu", [o for o in yaml.safe_load_all(out.stdout) if o])
+    containers = dict(pagoda_containers(r))
+    worker = parse_container(r, "worker", containers["worker"]).engine.speculative_config
+    scheduler = parse_container(r, "scheduler", containers["scheduler"]).speculative_config
+    assert worker == scheduler
+    assert (worker.method, worker.model, worker.num_speculative_tokens) == ("draft_model", "/models/draft", 3)
+
+
 @pytest.mark.parametrize("profile", PROFILES)
 def test_security_context_and_resources_on_every_container(render: Any, profile: str) -> None:
     for w in render(profile).workloads():

@@ -71,9 +71,12 @@ def test_plan_and_result_round_trip() -> None:
     plp = PromptLogprobs(
         1, LogprobsTensors(torch.tensor([[2], [3]]), torch.tensor([[-1.0], [-2.0]]), torch.tensor([3, 1]))
     )
-    out = ModelRunnerOutput([3, 8], [4, -1], lps, {3: plp}, errors={8: "sampling failed: boom"})
+    out = ModelRunnerOutput(
+        [3, 8], [4, -1], lps, {3: plp}, errors={8: "sampling failed: boom"}, draft_token_ids={3: [5, 6, 7]}
+    )
     back = result_from_proto(result_to_proto(out))
     assert back.seq_ids == [3, 8] and back.sampled_token_ids == [4, -1] and back.errors == {8: "sampling failed: boom"}
+    assert back.draft_token_ids == {3: [5, 6, 7]}  # the worker's draft-model proposals
     # The scheduler decodes to numpy (it loads no torch): what its one reader, tensor_rows, takes out is the same.
     assert back.logprobs is not None and tensor_rows(back.logprobs, [0], 2) == tensor_rows(lps, [0], 2)
     assert tensor_rows(back.prompt_logprobs[3].tensors, slice(None), 0) == tensor_rows(plp.tensors, slice(None), 0)
