@@ -28,7 +28,7 @@ def _opt(default: Any, help: str) -> Any:
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # NOTE: vLLM's names; its fp8 caches have no CPU kernels here and are refused by name.
-_KV_CACHE_DTYPES = ("auto", "bfloat16")
+_KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 QUANTIZATIONS = ("gguf",)  # vLLM's names; None: the checkpoint's own format (gguf for a .gguf model)
 _POLICIES = ("fcfs", "priority")
 _BACKENDS = ("cpu", "torch", "triton")
@@ -55,7 +55,7 @@ class EngineConfig:
     gpu_memory_utilization: float = _opt(0.85, "fraction of free GPU memory given to the KV cache")
     # NOTE: overrides both budgets (tests use it to force preemption).
     num_kv_blocks: int | None = _opt(None, "fixed KV block count (skips profiling)")
-    kv_cache_dtype: str = _opt("auto", "auto (the model's dtype where attention reads it) | bfloat16")
+    kv_cache_dtype: str = _opt("auto", "auto (the model's dtype where attention reads it) | bfloat16 | float32")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prefixes")
     # Scheduler
     max_model_len: int | None = _opt(None, "context limit (default: the model's, capped at 8192)")

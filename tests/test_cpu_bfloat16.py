@@ -110,6 +110,18 @@ def test_a_bf16_runner_decodes_greedily_like_float32_on_a_tiny_model(tiny_dir: P
     assert bf16.decode_step is not None and bf16.kv_caches[0].dtype == torch.bfloat16  # "auto": the model's dtype
     linear = bf16.model.layers[0].self_attn.qkv_proj
     assert linear.method.name == "cpu-bfloat16"
+    # gate/up's bf16 product goes into the native SiLU-and-mul as is (MLP.hand_off_bf16): the same bits as the fp32
+    # round trip, since the down projection's input is rounded to bf16 either way
+    mlp = bf16.model.layers[0].mlp
+    forms = mlp.gate_up_proj.cpu_forms
+    assert forms is not None and forms.bf16_out
+    x = torch.randn(16, mlp.gate_up_proj.in_features)
+    assert mlp.gate_up_proj(x).dtype == torch.bfloat16
+    handed_off = mlp(x)
+    forms.bf16_out = False
+    assert mlp.gate_up_proj(x).dtype == torch.float32
+    assert handed_off.dtype == torch.float32 and torch.equal(handed_off, mlp(x))
+    forms.bf16_out = True
     assert greedy(bf16, prompts, steps=6) == greedy(_runner(tiny_dir, "float32", "cpu"), prompts, steps=6)
 
 
@@ -123,6 +135,10 @@ def test_kv_cache_dtype_names_the_flag_when_refused(tiny_dir: Path) -> None:
     assert auto.resolved_kv_cache_dtype("float32") == "float32"
     assert auto.resolved_kv_cache_dtype("float32", "bfloat16", ("bfloat16",)) == "bfloat16"  # the model's dtype
     assert auto.resolved_kv_cache_dtype("float32", "bfloat16") == "float32"  # a backend that cannot read bf16
+    exact = EngineConfig(dtype="bfloat16", kv_cache_dtype="float32")  # bf16 GEMMs over a float32 cache, on CPU
+    assert exact.resolved_kv_cache_dtype("float32", "bfloat16", ("bfloat16",)) == "float32"
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='float32' needs attention in float32"):
+        exact.resolved_kv_cache_dtype("bfloat16", "bfloat16")  # CUDA bf16 attention reads only bf16
     # the torch backend computes in float32 and reads only that: a bf16 cache is refused before any load
     with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16' needs attention in bfloat16.*'auto'"):
         ModelRunner(
