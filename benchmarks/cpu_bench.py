@@ -11,8 +11,9 @@
 - `attention`: decode attention per layer (9 query / 3 KV heads, head dim 64, block size 16, context lengths
   uniform in [ctx/4, ctx] sorted longest-first as the engine hands them over, one cache per layer so the K/V come
   from DRAM; block tables in allocation order, shuffled, and with 4 shared prefixes): the torch backend (gather into
-  a workspace + SDPA, in length groups) against the native paged kernel. Its GB/s count every row's K/V, so a
-  shared prefix read once from DRAM shows as more than DRAM gives.
+  a workspace + SDPA, in length groups) against the native paged kernel, over a float32 cache and over a bf16 one
+  (kv_cache_dtype="bfloat16": half the bytes). Its GB/s count every row's K/V, so a shared prefix read once from
+  DRAM shows as more than DRAM gives.
 - `prefill`: one layer of prefill attention (same heads, shuffled block tables): gather + SDPA per chunk (the
   `torch` backend's `TorchPrefill`) against the native paged prefill kernel, in causal GFLOP/s (4 * D * H flops
   per visible (query, key) pair).
@@ -214,7 +215,10 @@ def bench_attention() -> list[dict[str, object]]:
     scale = head_dim**-0.5
     g = torch.Generator().manual_seed(0)
     rows_out: list[dict[str, object]] = []
-    print(f"{'batch':>5} {'ctx':>5} {'tables':>10} {'gather+sdpa ms':>15} {'native ms':>10} {'native GB/s':>12}")
+    print(
+        f"{'batch':>5} {'ctx':>5} {'tables':>10} {'gather+sdpa ms':>15} {'native ms':>10} {'native GB/s':>12} "
+        f"{'bf16 KV ms':>11}"
+    )
     for batch, ctx in ((1, 200), (1, 4000), (8, 300), (32, 400), (64, 400), (64, 700), (64, 1024)):
         lens = torch.randint(ctx // 4, ctx + 1, (batch,), generator=g).sort(descending=True).values.int()
         width = -(-ctx // bs)
@@ -223,6 +227,7 @@ def bench_attention() -> list[dict[str, object]]:
         # engine every layer's K/V comes from DRAM, and one cache timed in a loop would sit in the cache hierarchy.
         layers = max(4, min(30, (256 << 20) // (2 * pool * bs * kv_heads * head_dim * 4)))
         caches = [torch.randn(2, pool, bs, kv_heads, head_dim, generator=g) for _ in range(layers)]
+        caches_bf16 = [c.bfloat16() for c in caches]
         q = torch.randn(batch, heads, head_dim, generator=g)
         kv_bytes = int(lens.sum()) * 2 * kv_heads * head_dim * 4
         # Tables in allocation order (a sequence's blocks consecutive, as a fresh pool hands them out), shuffled, and
@@ -258,6 +263,7 @@ def bench_attention() -> list[dict[str, object]]:
                 torch_ms = timed(partial(_each_layer, caches, partial(_torch_decode, ref, q, meta, out))) / layers
                 native_op = partial(_native_decode, cpu_kernels.paged_decode_attention, q, tables, lens, scale, out)
                 native_ms = timed(partial(_each_layer, caches, native_op)) / layers
+                bf16_ms = timed(partial(_each_layer, caches_bf16, native_op)) / layers
             row = {
                 "batch": batch,
                 "ctx": ctx,
@@ -265,9 +271,11 @@ def bench_attention() -> list[dict[str, object]]:
                 "torch_ms": torch_ms,
                 "native_ms": native_ms,
                 "native_gb_s": kv_bytes / native_ms / 1e6,
+                "native_bf16_kv_ms": bf16_ms,
             }
             print(
-                f"{batch:>5} {ctx:>5} {label:>10} {torch_ms:>15.3f} {native_ms:>10.3f} {row['native_gb_s']:>12.1f}",
+                f"{batch:>5} {ctx:>5} {label:>10} {torch_ms:>15.3f} {native_ms:>10.3f} {row['native_gb_s']:>12.1f} "
+                f"{bf16_ms:>11.3f}",
                 flush=True,
             )
             rows_out.append(row)

@@ -10,9 +10,11 @@ Formats (`--formats`, the first is the reference of the agreement columns):
 - `float32`: the model's float32 safetensors export (benchmarks/peer_model.py: the GGUF blocks decoded, bit for bit
   transformers' tensors), run without codes (float32 panels / oneDNN);
 - `gguf`: the `.gguf` model itself, `quantization="gguf"` (the weights computed from their codes).
-`--dtype` is passed to every `LLM` (bfloat16 where the engine runs it).
+A format may name its `dtype` and `kv_cache_dtype` after it, `WEIGHTS[:DTYPE[:KV_CACHE_DTYPE]]`
+(`float32:bfloat16` is bf16 GEMMs with "auto", i.e. a bf16 KV cache; `float32:float32:bfloat16` a bf16 KV cache
+alone); otherwise `--dtype` and "auto".
 
-    PYTHONPATH=$PWD python benchmarks/quality.py [--formats float32,gguf] [--dtype auto] [--window 512]
+    PYTHONPATH=$PWD python benchmarks/quality.py [--formats float32,gguf,float32:bfloat16] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -56,9 +58,16 @@ def run_format(
     from engine_core import LLM, SamplingParams
     from tests.test_greedy_equality import GREEDY
 
-    quantization = "gguf" if name == "gguf" else None
+    weights, dtype, kv_cache_dtype = (name.split(":") + [args.dtype, "auto"][name.count(":") :])[:3]
+    quantization = "gguf" if weights == "gguf" else None
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, quantization=quantization, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(
+        model,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
+        kv_cache_memory=args.kv_cache_memory,
+    )
     scored = llm.generate(
         [{"prompt_token_ids": w} for w in texts],
         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
@@ -80,7 +89,11 @@ def run_format(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .gguf file or its directory (default SmolLM2-135M-Instruct)")
-    ap.add_argument("--formats", default="float32,gguf", help="comma list of float32, gguf; the first is the reference")
+    ap.add_argument(
+        "--formats",
+        default="float32,gguf",
+        help="comma list of float32, gguf[:dtype[:kv_cache_dtype]]; the first is the reference",
+    )
     ap.add_argument("--dtype", default="auto", help="passed to every LLM (float32, bfloat16, ...)")
     ap.add_argument("--window", type=int, default=512, help="tokens per scored window")
     ap.add_argument("--max-windows", type=int, default=0, help="score only the first N windows (0: all)")
@@ -105,7 +118,8 @@ def main() -> None:
         f"text: {TEXT_DISTRIBUTION} {importlib.metadata.version(TEXT_DISTRIBUTION)} {TEXT_FILE} (sha256 {digest}), "
         f"{sum(len(w) - 1 for w in texts)} scored tokens in {len(texts)} windows; dtype {args.dtype}"
     )
-    results = [run_format(name, models[name], args, texts, prompts) for name in args.formats.split(",")]
+    names = args.formats.split(",")
+    results = [run_format(name, models[name.partition(":")[0]], args, texts, prompts) for name in names]
     ref = results[0]
     print("| format | perplexity | vs " + ref.name + " | top-1 agreement | greedy outputs identical | seconds |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")

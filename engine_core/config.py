@@ -28,7 +28,7 @@ def _opt(default: Any, help: str) -> Any:
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # NOTE: vLLM's names; its fp8 caches have no CPU kernels here and are refused by name.
-_KV_CACHE_DTYPES = ("auto", "bfloat16")
+_KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 QUANTIZATIONS = ("gguf",)  # vLLM's names; None: the checkpoint's own format (gguf for a .gguf model)
 _POLICIES = ("fcfs", "priority")
 _BACKENDS = ("cpu", "torch", "triton")
@@ -55,7 +55,7 @@ class EngineConfig:
     gpu_memory_utilization: float = _opt(0.85, "fraction of free GPU memory given to the KV cache")
     # NOTE: overrides both budgets (tests use it to force preemption).
     num_kv_blocks: int | None = _opt(None, "fixed KV block count (skips profiling)")
-    kv_cache_dtype: str = _opt("auto", "auto (the dtype attention computes in: float32 on CPU) | bfloat16")
+    kv_cache_dtype: str = _opt("auto", "auto (the model's dtype where attention reads it) | bfloat16 | float32")
     enable_prefix_caching: bool = _opt(True, "reuse KV blocks of shared prefixes")
     # Scheduler
     max_model_len: int | None = _opt(None, "context limit (default: the model's, capped at 8192)")
@@ -129,17 +129,23 @@ class EngineConfig:
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
 
-    def resolved_kv_cache_dtype(self, compute_dtype: str) -> str:
-        """The KV cache's dtype when attention computes in `compute_dtype` (the runner's activations).
+    def resolved_kv_cache_dtype(
+        self, compute_dtype: str, model_dtype: str | None = None, cache_dtypes: tuple[str, ...] = ()
+    ) -> str:
+        """The KV cache's dtype when attention computes in `compute_dtype` and its backend also reads a cache in
+        `cache_dtypes`; "auto" is `model_dtype` (the GEMMs' dtype, as vLLM's "auto") where the backend reads it.
 
-        NOTE: the attention kernels read their compute dtype from the cache (no cast on load), so a cache in another
-        dtype is refused at load; with dtype="bfloat16" on CUDA, "bfloat16" is what "auto" gives.
+        NOTE: CUDA's kernels read their compute dtype only (no cast on load); the CPU's native kernels also read a
+        bf16 cache under fp32 attention, so on CPU dtype="bfloat16" gives a bf16 cache and float32 one flag away.
         """
-        kv = compute_dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
-        if kv != compute_dtype:
+        readable = (compute_dtype, *cache_dtypes)
+        if self.kv_cache_dtype == "auto":
+            return model_dtype if model_dtype in readable else compute_dtype
+        kv = self.kv_cache_dtype
+        if kv not in readable:
             raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} needs attention in {kv}, but it computes in {compute_dtype} "
-                f"here (dtype={self.dtype!r} on {self.device}); use kv_cache_dtype='auto'"
+                f"kv_cache_dtype={kv!r} needs attention in {kv}, but it computes in {compute_dtype} here with no "
+                f"kernel that reads a {kv} cache (dtype={self.dtype!r} on {self.device}); use kv_cache_dtype='auto'"
             )
         return kv
 

@@ -162,7 +162,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--demo", action="store_true", help="stream one generation through gRPC once healthy")
     serve.add_argument("--model", default=None)
     serve.add_argument("--dtype", default=field_default("dtype"))
-    serve.add_argument("--kv-cache-dtype", default=field_default("kv_cache_dtype"), help="auto | bfloat16")
+    serve.add_argument("--kv-cache-dtype", default=field_default("kv_cache_dtype"), help="auto | bfloat16 | float32")
     serve.add_argument(
         "--quantization", default=field_default("quantization"), choices=QUANTIZATIONS, help="a .gguf model: gguf"
     )

@@ -1,5 +1,5 @@
 """dtype="bfloat16" on CPU: bf16 weights in oneDNN's GEMMs, activations float32 (model/layers/cpu_bfloat16.py); the
-choice by CPU flags; kv_cache_dtype's validation.
+choice by CPU flags; kv_cache_dtype (a bf16 cache under float32 attention on CPU) and its validation.
 
 Tolerance of a bf16 product: the inputs rounded to bf16 (8 bits of mantissa), accumulated in fp32, the product
 rounded to bf16 once more: within 2^-7 relative of the exact product of the rounded inputs.
@@ -106,10 +106,22 @@ def test_a_bf16_runner_decodes_greedily_like_float32_on_a_tiny_model(tiny_dir: P
     the argmax survives bf16 rounding: the same tokens as float32."""
     prompts = {0: [3, 17, 5, 99, 42], 1: [7], 2: [1, 2, 3, 4, 5, 6, 7, 8, 9]}
     bf16 = _runner(tiny_dir, "bfloat16", "cpu")
-    assert bf16.dtype == torch.float32 and bf16.gemm_dtype == torch.bfloat16  # activations and KV stay float32
-    assert bf16.decode_step is not None and bf16.kv_caches[0].dtype == torch.float32
+    assert bf16.dtype == torch.float32 and bf16.gemm_dtype == torch.bfloat16  # activations stay float32
+    assert bf16.decode_step is not None and bf16.kv_caches[0].dtype == torch.bfloat16  # "auto": the model's dtype
     linear = bf16.model.layers[0].self_attn.qkv_proj
     assert linear.method.name == "cpu-bfloat16"
+    # gate/up's bf16 product goes into the native SiLU-and-mul as is (MLP.hand_off_bf16): the same bits as the fp32
+    # round trip, since the down projection's input is rounded to bf16 either way
+    mlp = bf16.model.layers[0].mlp
+    forms = mlp.gate_up_proj.cpu_forms
+    assert forms is not None and forms.bf16_out
+    x = torch.randn(16, mlp.gate_up_proj.in_features)
+    assert mlp.gate_up_proj(x).dtype == torch.bfloat16
+    handed_off = mlp(x)
+    forms.bf16_out = False
+    assert mlp.gate_up_proj(x).dtype == torch.float32
+    assert handed_off.dtype == torch.float32 and torch.equal(handed_off, mlp(x))
+    forms.bf16_out = True
     assert greedy(bf16, prompts, steps=6) == greedy(_runner(tiny_dir, "float32", "cpu"), prompts, steps=6)
 
 
@@ -118,12 +130,40 @@ def test_kv_cache_dtype_names_the_flag_when_refused(tiny_dir: Path) -> None:
         EngineConfig(kv_cache_dtype="fp8")
     config = EngineConfig(kv_cache_dtype="bfloat16")
     assert config.resolved_kv_cache_dtype("bfloat16") == "bfloat16"
-    assert EngineConfig().resolved_kv_cache_dtype("float32") == "float32"  # auto: attention's own dtype
-    # on CPU attention computes in float32 (with dtype="bfloat16" too): a bf16 cache is refused before any load
-    with pytest.raises(
-        ValueError, match=r"kv_cache_dtype='bfloat16' needs attention in bfloat16.*kv_cache_dtype='auto'"
-    ):
-        ModelRunner(EngineConfig(model=str(tiny_dir), kv_cache_dtype="bfloat16", num_kv_blocks=4), str(tiny_dir))
+    assert config.resolved_kv_cache_dtype("float32", "float32", ("bfloat16",)) == "bfloat16"  # the CPU kernels read it
+    auto = EngineConfig()
+    assert auto.resolved_kv_cache_dtype("float32") == "float32"
+    assert auto.resolved_kv_cache_dtype("float32", "bfloat16", ("bfloat16",)) == "bfloat16"  # the model's dtype
+    assert auto.resolved_kv_cache_dtype("float32", "bfloat16") == "float32"  # a backend that cannot read bf16
+    exact = EngineConfig(dtype="bfloat16", kv_cache_dtype="float32")  # bf16 GEMMs over a float32 cache, on CPU
+    assert exact.resolved_kv_cache_dtype("float32", "bfloat16", ("bfloat16",)) == "float32"
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='float32' needs attention in float32"):
+        exact.resolved_kv_cache_dtype("bfloat16", "bfloat16")  # CUDA bf16 attention reads only bf16
+    # the torch backend computes in float32 and reads only that: a bf16 cache is refused before any load
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='bfloat16' needs attention in bfloat16.*'auto'"):
+        ModelRunner(
+            EngineConfig(model=str(tiny_dir), kv_cache_dtype="bfloat16", num_kv_blocks=4, attention_backend="torch"),
+            str(tiny_dir),
+        )
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels")
+def test_a_bf16_kv_cache_under_float32_decodes_like_float32_on_a_tiny_model(tiny_dir: Path) -> None:
+    """kv_cache_dtype="bfloat16" with float32 weights: the native kernels store K/V rounded to bf16 and attend in
+    fp32 (prefill chunks, the native decode step); the tiny model's logits are peaky: the same greedy tokens."""
+    prompts = {0: [3, 17, 5, 99, 42], 1: [7], 2: [1, 2, 3, 4, 5, 6, 7, 8, 9]}
+    config = EngineConfig(
+        model=str(tiny_dir), block_size=BS, num_kv_blocks=32, max_num_seqs=4, kv_cache_dtype="bfloat16"
+    )
+    runner = ModelRunner(config, str(tiny_dir))
+    runner.init_kv_cache(32)
+    assert runner.kv_dtype == torch.bfloat16 and runner.kv_caches[0].dtype == torch.bfloat16
+    assert (
+        runner.decode_step is not None
+        and runner.info.block_bytes == _runner(tiny_dir, "float32", "cpu").info.block_bytes // 2
+    )
+    assert greedy(runner, prompts, steps=6) == greedy(_runner(tiny_dir, "float32", "cpu"), prompts, steps=6)
+    assert runner.kv_caches[0].any()  # written: the step's K/V went to the bf16 cache
 
 
 def test_the_worker_and_serve_flags_take_kv_cache_dtype(capsys: pytest.CaptureFixture[str]) -> None:

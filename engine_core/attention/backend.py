@@ -53,6 +53,8 @@ class AttentionBackend(ABC):
     """Writes this step's K/V into the paged cache, then attends through the block tables."""
 
     name: str
+    # KV cache dtypes this backend reads besides the dtype it computes in (kv_cache_dtype; config.py)
+    cache_dtypes: tuple[str, ...] = ()
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, scale: float) -> None:
         self.num_heads = num_heads

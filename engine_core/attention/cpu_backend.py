@@ -23,6 +23,9 @@ from kernels import cpu as cpu_kernels
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
+    # NOTE: the native kernels widen a bf16 cache to fp32 on load (exact) and compute in fp32: half the bytes per
+    # decode step, one rounding of each stored K/V (docs/benchmarks.md, "bfloat16 on CPU").
+    cache_dtypes = ("bfloat16",)
 
     def forward(
         self,

@@ -118,6 +118,14 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
+    def hand_off_bf16(self, on: bool) -> None:
+        """With bf16 CPU GEMMs and a SiLU-and-mul that reads and writes bf16: gate/up's bf16 product goes into it as
+        is and its bf16 output is the down projection's input, with no fp32 round trip between them (the same bits:
+        the down projection's input is rounded to bf16 either way). kernels/cpu/decode_step.cpp does the same."""
+        forms = self.gate_up_proj.cpu_forms
+        if forms is not None:
+            forms.bf16_out = on
+
 
 class DecoderLayer(nn.Module):
     def __init__(
@@ -205,6 +213,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.ops = ops
+            if isinstance(module, MLP):
+                module.hand_off_bf16(ops.silu_reads_bf16)
 
     # checkpoint projection -> (fused layer, shard): the fused layer's `weight_loader` stacks the shards
     packed_modules: ClassVar[dict[str, tuple[str, int]]] = {

@@ -77,6 +77,10 @@ class ModelInfo:
     block_bytes: int  # bytes one KV block takes across all layers
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def resolve_max_model_len(config: EngineConfig, hf_config: object) -> int:
     limit = int(getattr(hf_config, "max_position_embeddings", 8192))
     # NOTE: no sliding-window attention: a window caps the context we can serve exactly.
@@ -101,15 +105,13 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None and self.tp.size > 1:
             self.device = torch.device("cuda", rank)  # NOTE: one GPU per rank, as NCCL needs
-        self.dtype = DTYPES[config.resolved_dtype]  # of the activations, the KV cache and the non-GEMM weights
+        self.dtype = DTYPES[config.resolved_dtype]  # of the activations and the non-GEMM weights
         self.gemm_dtype = self.dtype  # of the linears' weights
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             # NOTE: bf16 on CPU is bf16 weights in oneDNN's GEMMs, activations float32 (model/layers/cpu_bfloat16.py);
             # a CPU without AVX-512 BF16 / AMX runs float32 (logged).
             self.dtype = torch.float32
             self.gemm_dtype = torch.bfloat16 if cpu_bf16_gemms() else torch.float32
-        # an unsupported kv_cache_dtype fails here, before the weights load
-        config.resolved_kv_cache_dtype(str(self.dtype).removeprefix("torch."))
         if self.device.type == "cpu":
             # NOTE: by default torch's team, no larger than a container's CPU limit (host_cpus.py); a team size the
             # user chose (num_threads, OMP_NUM_THREADS) is kept
@@ -138,6 +140,10 @@ class ModelRunner:
             self.dtype,
         )
         self.backend = backend
+        # an unsupported kv_cache_dtype fails here, before the weights load
+        self.kv_dtype = DTYPES[
+            config.resolved_kv_cache_dtype(_name(self.dtype), _name(self.gemm_dtype), backend.cache_dtypes)
+        ]
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = cls(hf, backend, self.max_model_len, self.tp)
@@ -162,10 +168,11 @@ class ModelRunner:
             "model loaded",
             architecture=arch,
             dtype=config.resolved_dtype,
+            kv_cache_dtype=_name(self.kv_dtype),
             linears=linear_method.name,
             seconds=round(time.perf_counter() - t0, 2),
         )
-        elt = torch.tensor([], dtype=self.dtype).element_size()
+        elt = torch.tensor([], dtype=self.kv_dtype).element_size()
         self.info = ModelInfo(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -275,7 +282,7 @@ class ModelRunner:
         # host, one lazily-faulted zero mapping (host_memory.py) instead of torch.zeros writing every byte (~4 s/2 GiB).
         if self.device.type == "cpu":
             setting = "num_kv_blocks" if self.config.num_kv_blocks is not None else "kv_cache_memory"
-            whole = zeroed_host_tensor((info.num_layers, *shape), self.dtype, setting)
+            whole = zeroed_host_tensor((info.num_layers, *shape), self.kv_dtype, setting)
             self.kv_caches = list(whole.unbind(0))
             if self._prefaulter is not None:
                 self._prefaulter.close()
@@ -283,7 +290,9 @@ class ModelRunner:
             self._prefaulter = KvPrefaulter(whole)  # faults the cache in while no step runs
             self._prefaulter.start()
         else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(info.num_layers)]
+            self.kv_caches = [
+                torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(info.num_layers)
+            ]
         if self.draft is not None:
             self.draft.init_kv_cache(num_blocks, "num_kv_blocks" if self.config.num_kv_blocks else "kv_cache_memory")
         tokens = num_blocks * self.config.block_size

@@ -135,7 +135,7 @@ def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """`silu(x[:, :I]) * x[:, I:]` for x `[T, 2I]` float32."""
+    """`silu(x[:, :I]) * x[:, I:]` for x `[T, 2I]` float32 or bf16 (the output in x's dtype, fp32 arithmetic)."""
     out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
     torch.ops.pagoda_cpu.silu_and_mul(out, x)
     return out

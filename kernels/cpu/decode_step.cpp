@@ -33,33 +33,39 @@ struct Forms {
   const c10::optional<at::Tensor>& onednn;
 };
 
-at::Tensor project(const Gemms& g, const at::Tensor& x, const Forms& w, const c10::optional<at::Tensor>& bias) {
+// `bf16_out`: a bf16 weight's product stays bf16 (the MLP's gate/up into the bf16 SiLU-and-mul); every other product
+// is float32. x may be bf16 (the SiLU-and-mul's output): the float32 kernels get it widened.
+at::Tensor project(const Gemms& g, const at::Tensor& x, const Forms& w, const c10::optional<at::Tensor>& bias,
+                   bool bf16_out = false) {
   const int64_t rows = x.size(0);
   // each row count takes the first form of codes, panels, oneDNN it reaches that the weight has
   if (rows < g.coded_m && w.coded.has_value()) {
-    at::Tensor out = at::empty({rows, w.out_features}, x.options());
-    pagoda::coded_linear(out, x, *w.coded, bias);
+    const at::Tensor x32 = x.to(at::kFloat);
+    at::Tensor out = at::empty({rows, w.out_features}, x32.options());
+    pagoda::coded_linear(out, x32, *w.coded, bias);
     return out;
   }
   if (rows < g.onednn_m && w.panels.has_value()) {
-    at::Tensor out = at::empty({rows, w.out_features}, x.options());
-    pagoda::panel_linear(out, x, *w.panels, bias);
+    const at::Tensor x32 = x.to(at::kFloat);
+    at::Tensor out = at::empty({rows, w.out_features}, x32.options());
+    pagoda::panel_linear(out, x32, *w.panels, bias);
     return out;
   }
   if (rows >= g.large_m) {
     TORCH_CHECK(w.plain.has_value(), "decode_layers: no plain weight for ", rows, " rows");
-    return at::linear(x, *w.plain, bias);
+    return at::linear(x.to(at::kFloat), *w.plain, bias);
   }
   TORCH_CHECK(w.onednn.has_value(), "decode_layers: no oneDNN weight for ", rows, " rows");
   static const c10::OperatorHandle op =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  // bf16 weights (model/layers/cpu_bfloat16.py): bf16 in, fp32 accumulation, the product back in fp32
-  const bool cast = w.onednn->scalar_type() != x.scalar_type();
-  torch::jit::Stack stack{cast ? x.to(w.onednn->scalar_type()) : x, *w.onednn,
-                          bias.has_value() ? c10::IValue(*bias) : c10::IValue(), "none",
+  // bf16 weights (model/layers/cpu_bfloat16.py): bf16 in, fp32 accumulation, the product in bf16, widened to fp32
+  // unless `bf16_out`
+  const auto wt = w.onednn->scalar_type();
+  torch::jit::Stack stack{x.to(wt), *w.onednn, bias.has_value() ? c10::IValue(*bias) : c10::IValue(), "none",
                           c10::List<c10::optional<at::Scalar>>(), c10::IValue()};
   op.callBoxed(&stack);
-  return cast ? stack.back().toTensor().to(x.scalar_type()) : stack.back().toTensor();
+  at::Tensor y = stack.back().toTensor();
+  return bf16_out ? y : y.to(at::kFloat);
 }
 
 }  // namespace
@@ -118,8 +124,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
     paged_decode_attention(attn, q, kv_caches[l], block_tables, seq_lens, scale);
     h = project(gemms, attn.view({B, q_size}), forms(4 * l + 1), c10::nullopt);
     add_rms_norm(h, residual, norms[2 * l + 1], eps);
-    at::Tensor gate_up = project(gemms, h, forms(4 * l + 2), c10::nullopt);
-    at::Tensor act = at::empty({B, gate_up.size(1) / 2}, opts);
+    at::Tensor gate_up = project(gemms, h, forms(4 * l + 2), c10::nullopt, /*bf16_out=*/true);
+    at::Tensor act = at::empty({B, gate_up.size(1) / 2}, gate_up.options());  // bf16 from a bf16 GEMM
     silu_and_mul(act, gate_up);
     h = project(gemms, act, forms(4 * l + 3), c10::nullopt);
   }

@@ -40,4 +40,12 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return acc;
 }
 
+// a . b with b a bf16 row (a bf16 KV cache), widened exactly to fp32.
+inline float dot(const float* a, const at::BFloat16* b, int64_t n) {
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * static_cast<float>(b[i]);
+  return acc;
+}
+
 }  // namespace pagoda

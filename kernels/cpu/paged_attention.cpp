@@ -35,17 +35,26 @@ constexpr int64_t kChunk = 16;  // K/V rows scored or accumulated per step of th
 // (64 sequences x ~440 tokens, SmolLM2 heads, 2 threads, blocks in allocation order, K/V from DRAM): 3.50 -> 1.95
 // ms per layer. Software prefetch of the next chunk instead was slower; a larger block size gained nothing in the
 // engine.
-inline void touch_rows(const float* p, int64_t n, int64_t row, int64_t floats) {
+template <typename T>
+inline void touch_rows(const T* p, int64_t n, int64_t row, int64_t elems) {
+  constexpr int64_t kLine = 64 / sizeof(T);
   float sink = 0.0f;
   for (int64_t t = 0; t < n; ++t) {
-    const float* r = p + t * row;
-    for (int64_t i = 0; i < floats; i += 16) sink += r[i];
-    sink += r[floats - 1];
+    const T* r = p + t * row;
+    for (int64_t i = 0; i < elems; i += kLine) sink += static_cast<float>(r[i]);
+    sink += static_cast<float>(r[elems - 1]);
   }
   asm volatile("" : : "x"(sink));
 }
 
 #if defined(__AVX512F__)
+// 16 K/V elements as fp32: a float32 cache's load, or a bf16 cache's widened exactly (bf16 is fp32's top half).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
 // Lane j of the result = the sum of the 16 lanes of a[j] (a transpose-and-add tree: 15 adds for 16 sums).
 inline __m512 reduce16(const __m512* a) {
   __m512 b[8], c[4], d[2];
@@ -62,30 +71,30 @@ inline __m512 reduce16(const __m512* a) {
 }
 
 // scores[t] = scale * q . k_t for 16 K rows `row` floats apart; NC = head_dim / 16.
-template <int NC>
-inline void score16(const float* q, const float* k, int64_t row, float scale, float* scores) {
+template <int NC, typename T>
+inline void score16(const float* q, const T* k, int64_t row, float scale, float* scores) {
   __m512 qv[NC], acc[16];
   for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
 #pragma GCC unroll 16
   for (int t = 0; t < 16; ++t) {
-    acc[t] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k + t * row));
+    acc[t] = _mm512_mul_ps(qv[0], load16(k + t * row));
 #pragma GCC unroll 8
-    for (int c = 1; c < NC; ++c) acc[t] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + t * row + 16 * c), acc[t]);
+    for (int c = 1; c < NC; ++c) acc[t] = _mm512_fmadd_ps(qv[c], load16(k + t * row + 16 * c), acc[t]);
   }
   _mm512_storeu_ps(scores, _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale)));
 }
 
 // o_g += sum_t p_g[t] * v_t for GG query heads sharing n V rows: GG x NC accumulators stay in registers, each V
 // row is loaded once for the whole group (independent FMA chains, not one chain per output register).
-template <int NC, int GG>
-inline void accumulate_group(const float* const* p, const float* v, int64_t n, int64_t row, float* const* o) {
+template <int NC, int GG, typename T>
+inline void accumulate_group(const float* const* p, const T* v, int64_t n, int64_t row, float* const* o) {
   __m512 acc[GG][NC];
   for (int g = 0; g < GG; ++g)
     for (int c = 0; c < NC; ++c) acc[g][c] = _mm512_loadu_ps(o[g] + 16 * c);
   for (int64_t t = 0; t < n; ++t) {
     __m512 vv[NC];
 #pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) vv[c] = _mm512_loadu_ps(v + t * row + 16 * c);
+    for (int c = 0; c < NC; ++c) vv[c] = load16(v + t * row + 16 * c);
 #pragma GCC unroll 4
     for (int g = 0; g < GG; ++g) {
       const __m512 pt = _mm512_set1_ps(p[g][t]);
@@ -97,30 +106,32 @@ inline void accumulate_group(const float* const* p, const float* v, int64_t n, i
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o[g] + 16 * c, acc[g][c]);
 }
 
-template <int NC, int MaxGG>
-inline void accumulate_heads(const float* const* p, int64_t G, const float* v, int64_t n, int64_t row, float* const* o) {
+template <int NC, int MaxGG, typename T>
+inline void accumulate_heads(const float* const* p, int64_t G, const T* v, int64_t n, int64_t row, float* const* o) {
   for (int64_t g = 0; g < G; g += MaxGG) {
     switch (std::min<int64_t>(MaxGG, G - g)) {
-      case 1: accumulate_group<NC, 1>(p + g, v, n, row, o + g); break;
-      case 2: accumulate_group<NC, 2>(p + g, v, n, row, o + g); break;
-      case 3: if constexpr (MaxGG >= 3) accumulate_group<NC, 3>(p + g, v, n, row, o + g); break;
-      default: if constexpr (MaxGG >= 4) accumulate_group<NC, 4>(p + g, v, n, row, o + g); break;
+      case 1: accumulate_group<NC, 1, T>(p + g, v, n, row, o + g); break;
+      case 2: accumulate_group<NC, 2, T>(p + g, v, n, row, o + g); break;
+      case 3: if constexpr (MaxGG >= 3) accumulate_group<NC, 3, T>(p + g, v, n, row, o + g); break;
+      default: if constexpr (MaxGG >= 4) accumulate_group<NC, 4, T>(p + g, v, n, row, o + g); break;
     }
   }
 }
 #endif
 
 // scores[t] = scale * q . k_t for n K rows `row` floats apart.
-inline void score_rows(const float* q, const float* k, int64_t n, int64_t row, int64_t D, float scale, float* scores) {
+template <typename T>
+inline void score_rows(const float* q, const T* k, int64_t n, int64_t row, int64_t D, float scale, float* scores) {
 #if defined(__AVX512F__)
   if (n == 16 && D == 64) return score16<4>(q, k, row, scale, scores);
   if (n == 16 && D == 128) return score16<8>(q, k, row, scale, scores);
 #endif
-  for (int64_t t = 0; t < n; ++t) scores[t] = pagoda::dot(q, k + t * row, D) * scale;
+  for (int64_t t = 0; t < n; ++t) scores[t] = pagoda::dot(q, k + t * row, D) * scale;  // ops.h, per type
 }
 
 // o[g] += sum_t p[g][t] * v_t for the G query heads of one KV head over n V rows `row` floats apart.
-inline void accumulate_rows(const float* const* p, int64_t G, const float* v, int64_t n, int64_t row, int64_t D,
+template <typename T>
+inline void accumulate_rows(const float* const* p, int64_t G, const T* v, int64_t n, int64_t row, int64_t D,
                             float* const* o) {
 #if defined(__AVX512F__)
   if (D == 64) return accumulate_heads<4, 4>(p, G, v, n, row, o);
@@ -129,18 +140,19 @@ inline void accumulate_rows(const float* const* p, int64_t G, const float* v, in
   for (int64_t g = 0; g < G; ++g) {
     float* og = o[g];
     for (int64_t t = 0; t < n; ++t) {
-      const float* vt = v + t * row;
+      const T* vt = v + t * row;
       const float pt = p[g][t];
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) og[d] += pt * vt[d];
+      for (int64_t d = 0; d < D; ++d) og[d] += pt * static_cast<float>(vt[d]);
     }
   }
 }
 
+template <typename T>
 struct DecodeArgs {
   const float* qp;
-  const float* kp;
-  const float* vp;
+  const T* kp;
+  const T* vp;
   const int32_t* tables;
   const int32_t* lens;
   float* op;
@@ -157,7 +169,8 @@ struct Scratch {
 };
 
 // Attention of sequence b's query heads [h0*G, h1*G) over KV heads [h0, h1).
-void attend(const DecodeArgs& a, int64_t b, int64_t h0, int64_t h1, Scratch& s) {
+template <typename T>
+void attend(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, Scratch& s) {
   const int64_t D = a.D, G = a.G, BS = a.BS, row = a.row, heads = (h1 - h0) * G;
   const int64_t L = a.lens[b];
   const float* qg = a.qp + b * a.q_row + h0 * G * D;
@@ -173,19 +186,19 @@ void attend(const DecodeArgs& a, int64_t b, int64_t h0, int64_t h1, Scratch& s) 
   const int32_t* table = a.tables + b * a.max_blocks;
   const bool whole_rows = (h1 - h0) * D == row;
   // The walk: chunks of up to kChunk rows that never cross a block; `base` + the chunk's first row.
-  auto walk = [&](const float* base, auto&& visit) {
+  auto walk = [&](const T* base, auto&& visit) {
     for (int64_t l0 = 0; l0 < L;) {
       const int64_t block = table[l0 / BS];
       TORCH_CHECK(block >= 0 && block < a.num_blocks, "paged_decode_attention: block id out of range");
       const int64_t n = std::min({kChunk, L - l0, BS - l0 % BS});
-      const float* rows = base + (block * BS + l0 % BS) * row + h0 * D;
+      const T* rows = base + (block * BS + l0 % BS) * row + h0 * D;
       if (whole_rows) touch_rows(rows, n, row, row);
       visit(l0, n, rows);
       l0 += n;
     }
   };
   // Pass 1: scores[j][l] = scale * q_j . k_l for every query head j of the item.
-  walk(a.kp, [&](int64_t l0, int64_t n, const float* rows) {
+  walk(a.kp, [&](int64_t l0, int64_t n, const T* rows) {
     for (int64_t j = 0; j < heads; ++j)
       score_rows(qg + j * D, rows + (j / G) * D, n, row, D, a.fscale, s.scores.data() + j * stride + l0);
   });
@@ -204,7 +217,7 @@ void attend(const DecodeArgs& a, int64_t b, int64_t h0, int64_t h1, Scratch& s) 
     s.inv_sum[j] = 1.0f / sum;
   }
   // Pass 2: out_j = sum_l p[j][l] * v_l, each KV head's V rows shared by its G query heads.
-  walk(a.vp, [&](int64_t l0, int64_t n, const float* rows) {
+  walk(a.vp, [&](int64_t l0, int64_t n, const T* rows) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
       for (int64_t g = 0; g < G; ++g) {
         s.p[g] = s.scores.data() + (h * G + g) * stride + l0;
@@ -221,47 +234,27 @@ void attend(const DecodeArgs& a, int64_t b, int64_t h0, int64_t h1, Scratch& s) 
   }
 }
 
-}  // namespace
+// kv_cache[0|1] rows <- k|v for tokens [t0, t1), each at its slot; slots < 0 (padding) are skipped.
+template <typename T>
+void store_rows(T* kc, T* vc, const float* kp, const float* vp, int64_t ks, int64_t vs, const int64_t* slots,
+                int64_t row, int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    // NOTE: to bf16 by round-to-nearest-even (c10::BFloat16's conversion, as torch's .to(bfloat16))
+    std::copy(kp + t * ks, kp + t * ks + row, kc + slot * row);
+    std::copy(vp + t * vs, vp + t * vs + row, vc + slot * row);
+  }
+}
 
-namespace pagoda {
-
-void paged_decode_attention(
-    at::Tensor out,                 // [B, H, D] float32, written
-    const at::Tensor& q,            // [B, H, D] float32
-    const at::Tensor& kv_cache,     // [2, num_blocks, block_size, H_kv, D] float32
-    const at::Tensor& block_tables, // [B, max_blocks] int32
-    const at::Tensor& seq_lens,     // [B] int32
-    double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_decode_attention: float32 only");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "paged_decode_attention: block_tables and seq_lens must be int32");
-  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_decode_attention: bad shapes");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  // q may be a row-strided view into the fused qkv projection output; heads within a row must be packed.
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && kv_cache.is_contiguous() && out.is_contiguous() &&
-                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
-              "paged_decode_attention: inputs must be contiguous (q: heads packed within each row)");
-  const int64_t num_blocks = kv_cache.size(1), BS = kv_cache.size(2), HKV = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == D && H % HKV == 0, "paged_decode_attention: head shapes do not match the cache");
-  TORCH_CHECK(block_tables.size(0) >= B && seq_lens.size(0) >= B && out.sizes() == q.sizes(),
-              "paged_decode_attention: batch sizes do not match");
-  const int64_t G = H / HKV, max_blocks = block_tables.size(1);
-  const int64_t row = HKV * D;  // floats between consecutive tokens of one block
-  const float* qp = q.data_ptr<float>();
-  const float* kp = kv_cache.data_ptr<float>();
-  const float* vp = kp + num_blocks * BS * row;
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-
+// The work split over threads, for one K/V element type (float32 or bf16).
+template <typename T>
+void decode_all(const DecodeArgs<T>& args, int64_t B, int64_t HKV) {
   // NOTE: a unit is a whole sequence (all its KV heads, so each K/V row is read as one contiguous run) unless there
   // are too few sequences to keep every core busy; then a unit is one KV head. Units are dealt out round-robin, not
   // in static halves: decode rows arrive sorted longest-first, so halves would give one core most of the context
   // (measured: 64 rows of 100-700 tokens, 4.2 -> 3.6 ms). Either way each head's arithmetic is the same, so the
   // output does not depend on the thread count.
-  const DecodeArgs args{qp, kp, vp, tables, lens, op, q.stride(0), H, D, G, BS, num_blocks, max_blocks, row, fscale};
   const int64_t nthreads = at::get_num_threads();
   const int64_t heads_per_unit = B >= 2 * nthreads ? HKV : 1;
   const int64_t num_units = B * HKV / heads_per_unit;
@@ -277,10 +270,58 @@ void paged_decode_attention(
   });
 }
 
-// kv_cache[0|1] at slot s = block * block_size + offset <- k|v of token t; slots < 0 (padding) are skipped.
+}  // namespace
+
+namespace pagoda {
+
+void paged_decode_attention(
+    at::Tensor out,                 // [B, H, D] float32, written
+    const at::Tensor& q,            // [B, H, D] float32
+    const at::Tensor& kv_cache,     // [2, num_blocks, block_size, H_kv, D] float32 or bfloat16
+    const at::Tensor& block_tables, // [B, max_blocks] int32
+    const at::Tensor& seq_lens,     // [B] int32
+    double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_decode_attention: q and out must be float32");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16,
+              "paged_decode_attention: the KV cache must be float32 or bfloat16");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "paged_decode_attention: block_tables and seq_lens must be int32");
+  TORCH_CHECK(q.dim() == 3 && kv_cache.dim() == 5 && kv_cache.size(0) == 2, "paged_decode_attention: bad shapes");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  // q may be a row-strided view into the fused qkv projection output; heads within a row must be packed.
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == D && kv_cache.is_contiguous() && out.is_contiguous() &&
+                  block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode_attention: inputs must be contiguous (q: heads packed within each row)");
+  const int64_t num_blocks = kv_cache.size(1), BS = kv_cache.size(2), HKV = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == D && H % HKV == 0, "paged_decode_attention: head shapes do not match the cache");
+  TORCH_CHECK(block_tables.size(0) >= B && seq_lens.size(0) >= B && out.sizes() == q.sizes(),
+              "paged_decode_attention: batch sizes do not match");
+  const int64_t G = H / HKV, max_blocks = block_tables.size(1);
+  const int64_t row = HKV * D;  // elements between consecutive tokens of one block
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const float fscale = static_cast<float>(scale);
+  // NOTE: a bf16 cache halves the bytes this DRAM-bound kernel reads; each element is widened to fp32 exactly on
+  // load and every product and sum stays fp32, so only the stored K/V are rounded (by store_kv).
+  if (kv_cache.scalar_type() == at::kBFloat16) {
+    const at::BFloat16* kp = kv_cache.data_ptr<at::BFloat16>();
+    decode_all(DecodeArgs<at::BFloat16>{q.data_ptr<float>(), kp, kp + num_blocks * BS * row, tables, lens,
+                                        out.data_ptr<float>(), q.stride(0), H, D, G, BS, num_blocks, max_blocks, row,
+                                        fscale},
+               B, HKV);
+  } else {
+    const float* kp = kv_cache.data_ptr<float>();
+    decode_all(DecodeArgs<float>{q.data_ptr<float>(), kp, kp + num_blocks * BS * row, tables, lens,
+                                 out.data_ptr<float>(), q.stride(0), H, D, G, BS, num_blocks, max_blocks, row, fscale},
+               B, HKV);
+  }
+}
+
 void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "store_kv: float32 only");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "store_kv: k and v must be float32");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16,
+              "store_kv: the KV cache must be float32 or bfloat16");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "store_kv: int64 slots");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(), "store_kv: bad cache");
   const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2), HKV = kv_cache.size(3), D = kv_cache.size(4);
@@ -290,8 +331,6 @@ void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, con
                     x->stride(1) == D,
                 "store_kv: k/v must be [tokens, kv_heads, head_dim] with packed heads");
   }
-  float* kc = kv_cache.data_ptr<float>();
-  float* vc = kc + num_slots * row;
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -299,15 +338,17 @@ void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, con
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(slots[t] < num_slots, "store_kv: slot out of range");
   }
+  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
   // NOTE: parallel: the first write to a slot's page of the lazily-mapped cache (engine_core/host_memory.py) is a
   // page fault, which dominates this copy in a prefill chunk (measured: ~10 ms per layer for 2,048 fresh tokens on
   // one thread); faults on both cores overlap. Small steps (decode rows) stay on the calling thread.
   at::parallel_for(0, T, 256, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t slot = slots[t];
-      if (slot < 0) continue;
-      std::copy(kp + t * ks, kp + t * ks + row, kc + slot * row);
-      std::copy(vp + t * vs, vp + t * vs + row, vc + slot * row);
+    if (bf16) {
+      at::BFloat16* kc = kv_cache.data_ptr<at::BFloat16>();
+      store_rows(kc, kc + num_slots * row, kp, vp, ks, vs, slots, row, t0, t1);
+    } else {
+      float* kc = kv_cache.data_ptr<float>();
+      store_rows(kc, kc + num_slots * row, kp, vp, ks, vs, slots, row, t0, t1);
     }
   });
 }

@@ -158,8 +158,10 @@ void pv_tail(const float* const* v, int64_t col, int64_t ncol, int64_t n, const 
 
 struct PrefillArgs {
   const float* qp;
-  const float* kp;
+  const float* kp;  // a float32 cache's K and V halves, or
   const float* vp;
+  const at::BFloat16* kb;  // a bf16 cache's (the other pair null)
+  const at::BFloat16* vb;
   const int32_t* tables;
   const int32_t* seq_lens;
   const int32_t* starts;
@@ -175,9 +177,9 @@ struct Item {
 // Per-thread buffers, 64-byte aligned.
 struct Scratch {
   std::vector<float> mem;
-  float *qt, *s, *o, *m, *l, *alpha;
+  float *qt, *s, *o, *m, *l, *alpha, *kbuf, *vbuf;
   std::vector<const float*> kptr, vptr;
-  Scratch(int64_t R, int64_t D) : mem(R * D * 2 + kBk * R + 3 * R + 6 * 16), kptr(kBk), vptr(kBk) {
+  Scratch(int64_t R, int64_t D) : mem(R * D * 2 + kBk * R + 3 * R + 2 * kBk * D + 8 * 16), kptr(kBk), vptr(kBk) {
     float* p = mem.data();
     auto take = [&p](int64_t n) {
       p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
@@ -186,6 +188,7 @@ struct Scratch {
       return r;
     };
     qt = take(D * R), s = take(kBk * R), o = take(R * D), m = take(R), l = take(R), alpha = take(R);
+    kbuf = take(kBk * D), vbuf = take(kBk * D);
   }
 };
 
@@ -221,8 +224,19 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
       const int64_t block = table[b];
       TORCH_CHECK(block >= 0 && block < a.num_blocks, "paged_prefill_attention: block id out of range");
       const int64_t slot = (block * BS + off) * a.kv_row + h * D;
-      w.kptr[j] = a.kp + slot;
-      w.vptr[j] = a.vp + slot;
+      if (a.kb != nullptr) {
+        // NOTE: a bf16 cache's tile is widened into fp32 rows once per tile (D x 64 keys, ~1 % of the tile's FMAs),
+        // so the micro-kernels are the float32 ones: prefill is compute-bound, the halved bytes matter in decode.
+        float *kd = w.kbuf + j * D, *vd = w.vbuf + j * D;
+        const at::BFloat16 *ks = a.kb + slot, *vs = a.vb + slot;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<float>(ks[d]), vd[d] = static_cast<float>(vs[d]);
+        w.kptr[j] = kd;
+        w.vptr[j] = vd;
+      } else {
+        w.kptr[j] = a.kp + slot;
+        w.vptr[j] = a.vp + slot;
+      }
       if (++off == BS) off = 0, ++b;
     }
     // Keys past `n` repeat the tile's first key (a valid slot) and are masked below: whole micro-kernel calls.
@@ -304,13 +318,15 @@ namespace pagoda {
 void paged_prefill_attention(
     at::Tensor out,                    // [T, H, D] float32, written (heads packed within each row)
     const at::Tensor& q,               // [T, H, D] float32, rows may be strided (heads packed)
-    const at::Tensor& kv_cache,        // [2, num_blocks, block_size, H_kv, D] float32
+    const at::Tensor& kv_cache,        // [2, num_blocks, block_size, H_kv, D] float32 or bfloat16
     const at::Tensor& block_tables,    // [C, max_blocks] int32
     const at::Tensor& seq_lens,        // [C] int32, context length after each chunk
     const at::Tensor& query_start_loc, // [C + 1] int32, chunk c's queries are rows [start[c], start[c + 1])
     double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_prefill_attention: float32 only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_prefill_attention: q and out must be float32");
+  TORCH_CHECK(kv_cache.scalar_type() == at::kFloat || kv_cache.scalar_type() == at::kBFloat16,
+              "paged_prefill_attention: the KV cache must be float32 or bfloat16");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt,
               "paged_prefill_attention: block_tables, seq_lens and query_start_loc must be int32");
@@ -355,10 +371,13 @@ void paged_prefill_attention(
   }
   if (items.empty()) return;
   const int64_t R = (bq * G + kRowAlign - 1) / kRowAlign * kRowAlign;
-  const float* kp = kv_cache.data_ptr<float>();
-  const PrefillArgs args{q.data_ptr<float>(), kp, kp + num_blocks * BS * HKV * D, block_tables.data_ptr<int32_t>(),
-                         lens, starts, out.data_ptr<float>(), q.stride(0), out.stride(0), H, D, G, BS, num_blocks,
-                         max_blocks, HKV * D, static_cast<float>(scale)};
+  const bool bf16 = kv_cache.scalar_type() == at::kBFloat16;
+  const int64_t half = num_blocks * BS * HKV * D;  // elements of K before V
+  const float* kp = bf16 ? nullptr : kv_cache.data_ptr<float>();
+  const at::BFloat16* kb = bf16 ? kv_cache.data_ptr<at::BFloat16>() : nullptr;
+  const PrefillArgs args{q.data_ptr<float>(), kp, bf16 ? nullptr : kp + half, kb, bf16 ? kb + half : nullptr,
+                         block_tables.data_ptr<int32_t>(), lens, starts, out.data_ptr<float>(), q.stride(0),
+                         out.stride(0), H, D, G, BS, num_blocks, max_blocks, HKV * D, static_cast<float>(scale)};
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), n_items);

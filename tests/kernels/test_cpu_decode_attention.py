@@ -104,5 +104,7 @@ def test_bad_inputs_are_rejected() -> None:
         cpu_kernels.paged_decode_attention(
             q, cache, torch.tensor([[0]], dtype=torch.int32), torch.tensor([9], dtype=torch.int32), 1.0
         )
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="q and out must be float32"):
         cpu_kernels.paged_decode_attention(q.double(), cache, torch.zeros(1, 1, dtype=torch.int32), lens, 1.0)
+    with pytest.raises(RuntimeError, match="the KV cache must be float32 or bfloat16"):
+        cpu_kernels.paged_decode_attention(q, cache.double(), torch.zeros(1, 1, dtype=torch.int32), lens, 1.0)

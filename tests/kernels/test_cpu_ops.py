@@ -24,6 +24,19 @@ def test_silu_and_mul(rows: int) -> None:
     torch.testing.assert_close(cpu_kernels.silu_and_mul(x), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 67])
+def test_silu_and_mul_in_bf16_is_the_float32_op_rounded_once(rows: int) -> None:
+    """bf16 in, bf16 out (the bf16 GEMMs' hand-off): fp32 arithmetic on the widened inputs, the result rounded to
+    nearest even once, as float32's output cast to bf16 would be."""
+    x = (torch.randn(rows, 2 * 1536) * 4).bfloat16()
+    got = cpu_kernels.silu_and_mul(x)
+    assert got.dtype == torch.bfloat16
+    want = cpu_kernels.silu_and_mul(x.float()).bfloat16()
+    # NOTE: the vectorised exp may differ from the float32 build's by an ulp, which can flip one bf16 rounding
+    assert (got.float() - want.float()).abs().le(want.float().abs() * 2**-8).all()
+    assert (got == want).float().mean() > 0.99
+
+
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_matches_the_torch_module(with_residual: bool) -> None:
     norm = RMSNorm(576, 1e-5)
@@ -68,7 +81,7 @@ def test_store_kv_writes_slots_and_skips_padding() -> None:
 
 
 def test_bad_inputs_are_rejected_with_the_op_name() -> None:
-    with pytest.raises(RuntimeError, match="silu_and_mul: float32 only"):
+    with pytest.raises(RuntimeError, match="silu_and_mul: float32 or bfloat16 only"):
         cpu_kernels.silu_and_mul(torch.randn(2, 8, dtype=torch.float64))
     cache = torch.zeros(2, 2, 4, 1, 8)
     with pytest.raises(RuntimeError, match="store_kv: slot out of range"):

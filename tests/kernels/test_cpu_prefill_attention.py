@@ -103,8 +103,10 @@ def test_bad_inputs_are_rejected() -> None:
         cpu_kernels.paged_prefill_attention(
             q, cache, torch.tensor([[0]], dtype=torch.int32), torch.tensor([2], dtype=torch.int32), starts, 1.0
         )
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="q and out must be float32"):
         cpu_kernels.paged_prefill_attention(q.double(), cache, torch.zeros(1, 1, dtype=torch.int32), lens, starts, 1.0)
+    with pytest.raises(RuntimeError, match="the KV cache must be float32 or bfloat16"):
+        cpu_kernels.paged_prefill_attention(q, cache.double(), torch.zeros(1, 1, dtype=torch.int32), lens, starts, 1.0)
 
 
 def test_backend_forward_mixes_decode_rows_and_prefill_chunks() -> None:

@@ -25,6 +25,9 @@ class CpuWeightForms:
     panels: torch.Tensor | None  # `panel_pack` panels: rows below rows.onednn_m without codes
     onednn: torch.Tensor | None  # oneDNN packed: rows from rows.onednn_m
     plain: torch.Tensor | None  # float32 [out, in] for MKL: rows from rows.large_m
+    # NOTE: set by the model where the consumer reads bf16 (MLP.hand_off_bf16: gate/up into the native SiLU-and-mul):
+    # a bf16 oneDNN product is returned as is, not widened to fp32 and rounded again for the next GEMM.
+    bf16_out: bool = False
 
     def nbytes(self) -> int:
         forms = (self.coded, self.panels, self.onednn, self.plain)
@@ -56,19 +59,20 @@ def cpu_gemm(forms: CpuWeightForms, x: torch.Tensor, bias: torch.Tensor | None) 
     m = x.shape[0]
     rows = forms.rows
     if m < rows.coded_m and forms.coded is not None:
-        return cpu_kernels.coded_linear(
-            x if x.stride(-1) == 1 else x.contiguous(), forms.coded, forms.out_features, bias
-        )
+        return cpu_kernels.coded_linear(_float_rows(x), forms.coded, forms.out_features, bias)
     if m < rows.onednn_m and forms.panels is not None:
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        return cpu_kernels.panel_linear(x, forms.panels, forms.out_features, bias)
+        return cpu_kernels.panel_linear(_float_rows(x), forms.panels, forms.out_features, bias)
     if m >= rows.large_m:
         assert forms.plain is not None
-        return nn.functional.linear(x, forms.plain, bias)
+        return nn.functional.linear(x.float(), forms.plain, bias)
     assert forms.onednn is not None
-    if forms.onednn.dtype != x.dtype:  # bf16 weights (cpu_bfloat16.py): bf16 in, fp32 accumulation, fp32 out
-        return torch.ops.mkldnn._linear_pointwise(x.to(forms.onednn.dtype), forms.onednn, bias, "none", [], "").to(
-            x.dtype
-        )
+    if forms.onednn.dtype == torch.bfloat16:  # bf16 weights (cpu_bfloat16.py): bf16 in, fp32 accumulation, bf16 out
+        y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), forms.onednn, bias, "none", [], "")
+        return y if forms.bf16_out else y.float()
     return torch.ops.mkldnn._linear_pointwise(x, forms.onednn, bias, "none", [], "")
+
+
+def _float_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the float32 kernels read it: float32 (a bf16 SiLU-and-mul output widened) with contiguous rows."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()

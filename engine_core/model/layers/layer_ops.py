@@ -37,6 +37,8 @@ class LayerOps:
     """Eager torch: the reference the fused implementations are tested against."""
 
     name = "torch"
+    # whether silu_and_mul takes a bf16 gate/up product and returns bf16 with fp32 arithmetic (MLP.hand_off_bf16)
+    silu_reads_bf16 = False
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -72,6 +74,7 @@ def _split(
 
 class NativeCpuOps(LayerOps):
     name = "native-cpu"
+    silu_reads_bf16 = True
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

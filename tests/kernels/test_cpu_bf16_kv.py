@@ -1,0 +1,117 @@
+"""A bf16 KV cache in the native CPU kernels (kv_cache_dtype="bfloat16"): store_kv rounds each K/V to bf16 as torch
+does, and decode / prefill attention over it are the float32 kernels over the same values widened to fp32 (the
+widening is exact and every product and sum stays fp32; the compiler may order a portable dot product's partial sums
+differently per element type, hence float32 ulps, not bits)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from engine_core.attention.backend import AttentionMetadata
+from engine_core.attention.cpu_backend import CpuAttentionBackend
+from kernels import cpu as cpu_kernels
+from kernels.reference import ref_decode_attention, ref_prefill_attention
+from tests.kernels.conftest import make_cpu_paged_cache
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ toolchain for the native CPU kernels")
+
+
+def _bf16_cache(
+    seq_lens: list[int], block_size: int, kv_heads: int, head_dim: int, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    cache, tables = make_cpu_paged_cache(seq_lens, block_size, kv_heads, head_dim, torch.Generator().manual_seed(seed))
+    return cache.bfloat16(), tables
+
+
+def test_store_kv_rounds_to_bf16_as_torch_does_and_skips_padding() -> None:
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.zeros(2, 4, 8, 3, 64, dtype=torch.bfloat16)
+    # a strided k/v (views into one qkv row) and values whose rounding ties and overflows matter
+    kv = torch.randn(5, 6, 64, generator=gen) * 100
+    kv[0, 0, :4] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 3.4e38, -0.0])
+    k, v = kv[:, :3], kv[:, 3:]
+    slots = torch.tensor([3, 17, -1, 31, 0])
+    cpu_kernels.store_kv(cache, k, v, slots)
+    flat = cache.view(2, 32, 3, 64)
+    for t, s in enumerate(slots.tolist()):
+        if s >= 0:
+            assert torch.equal(flat[0, s], k[t].bfloat16()) and torch.equal(flat[1, s], v[t].bfloat16())
+    written = {s for s in slots.tolist() if s >= 0}
+    assert not flat[:, [s for s in range(32) if s not in written]].any()  # the padding row wrote nothing
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 80])
+@pytest.mark.parametrize("group", [1, 3])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_decode_over_a_bf16_cache_is_the_float32_kernel_over_its_values(
+    head_dim: int, group: int, block_size: int
+) -> None:
+    # 64 and 128: the vector path (bf16 widened in registers); 80: the portable one
+    lens = [0, 1, 15, 16, 17, 100, 250]
+    cache, tables = _bf16_cache(lens, block_size, 3, head_dim, seed=head_dim + group)
+    q = torch.randn(len(lens), 3 * group, head_dim, generator=torch.Generator().manual_seed(7))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    got = cpu_kernels.paged_decode_attention(q, cache, tables, seq_lens, scale)
+    same_values = cpu_kernels.paged_decode_attention(q, cache.float(), tables, seq_lens, scale)
+    torch.testing.assert_close(got, same_values, atol=1e-6, rtol=1e-6)
+    want = ref_decode_attention(q.double(), cache[0].double(), cache[1].double(), tables, seq_lens, scale)
+    torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_prefill_over_a_bf16_cache_is_the_float32_kernel_over_its_values(head_dim: int, block_size: int) -> None:
+    chunks = [(0, 70), (33, 5), (130, 1)]  # (cached context, chunk length): tiles past 64 keys, a partial tile
+    seq_lens = [c + n for c, n in chunks]
+    cache, tables = _bf16_cache(seq_lens, block_size, 2, head_dim, seed=head_dim)
+    qlens = [n for _, n in chunks]
+    starts = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
+    q = torch.randn(sum(qlens), 6, head_dim, generator=torch.Generator().manual_seed(3))
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    scale = head_dim**-0.5
+    got = cpu_kernels.paged_prefill_attention(q, cache, tables, lens, starts, scale)
+    same_values = cpu_kernels.paged_prefill_attention(q, cache.float(), tables, lens, starts, scale)
+    assert torch.equal(got, same_values)  # the same micro-kernels over the widened tile: the same bits
+    want = ref_prefill_attention(q.double(), cache[0].double(), cache[1].double(), tables, lens, starts, scale)
+    torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_the_cpu_backend_writes_and_reads_a_bf16_cache() -> None:
+    """One step of the `cpu` backend (a decode row and a prefill chunk) over a bf16 cache: the step's K/V land in the
+    cache rounded to bf16, and both kinds of row attend over the rounded values."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, bs = 6, 2, 64, 16
+    cache, tables = _bf16_cache([30, 21], bs, kv_heads, d, seed=9)
+    slots = [int(tables[0, 29 // bs]) * bs + 29 % bs] + [int(tables[1, p // bs]) * bs + p % bs for p in range(21)]
+    n = len(slots)
+    q, k, v = (torch.randn(n, h, d, generator=gen) for h in (heads, kv_heads, kv_heads))
+    meta = AttentionMetadata(
+        num_decodes=1,
+        num_prefills=1,
+        slot_mapping=torch.tensor(slots),
+        decode_seq_lens=torch.tensor([30], dtype=torch.int32),
+        decode_block_tables=tables[:1],
+        max_decode_seq_len=30,
+        prefill_query_start_loc=torch.tensor([0, 21], dtype=torch.int32),
+        prefill_seq_lens=torch.tensor([21], dtype=torch.int32),
+        prefill_block_tables=tables[1:],
+        max_prefill_query_len=21,
+        prefill_query_lens_cpu=[21],
+        prefill_seq_lens_cpu=[21],
+    )
+    backend = CpuAttentionBackend(heads, kv_heads, d, bs, d**-0.5)
+    assert "bfloat16" in backend.cache_dtypes
+    got = backend.forward(q, k, v, cache, meta)
+    flat = cache.view(2, -1, kv_heads, d)
+    assert torch.equal(flat[0, slots], k.bfloat16()) and torch.equal(flat[1, slots], v.bfloat16())
+    m, c = meta, cache.double()
+    want = ref_decode_attention(q[:1].double(), c[0], c[1], m.decode_block_tables, m.decode_seq_lens, d**-0.5)
+    torch.testing.assert_close(got[:1].double(), want.double(), atol=1e-5, rtol=1e-5)
+    want = ref_prefill_attention(
+        q[1:].double(), c[0], c[1], m.prefill_block_tables, m.prefill_seq_lens, m.prefill_query_start_loc, d**-0.5
+    )
+    torch.testing.assert_close(got[1:].double(), want.double(), atol=1e-5, rtol=1e-5)
