@@ -29,6 +29,7 @@ from engine_core.model.layers.selector import select_linear_method
 from engine_core.model.llama import model_class
 from engine_core.model.loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
 from engine_core.model.native_decode import NativeDecodeStep
+from engine_core.model.quantization import resolve_weight_format
 from engine_core.plan import LogprobsTensors, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from engine_core.sample.sampler import FAILED_TOKEN, Sampler, compute_logprobs
 from engine_core.sample.sampling_batch import SamplingBatch
@@ -107,6 +108,7 @@ class ModelRunner:
                 torch.set_num_threads(threads)
         if config.quantization == "gguf" and gguf_file(model_dir) is None:
             raise ValueError(f"quantization='gguf' needs a .gguf model; {config.model or model_dir} has none")
+        weight_format = resolve_weight_format(config.quantization, model_dir, self.device)
         prefetch_weights(model_dir)  # the disk read overlaps the config import and the model's construction
         hf = load_config(model_dir)
         self.hf_config = hf
@@ -127,17 +129,18 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = cls(hf, backend, self.max_model_len)
-        model.load_weights(iter_weights(model_dir, hf))
+        model.load_weights(weight_format.weights(iter_weights(model_dir, hf)))
         self.model = model.to(dtype=self.dtype).eval()
         # NOTE: after the dtype cast: each linear's method keeps its weight in the form(s) its kernels read, once.
-        linear_method = select_linear_method(self.device, self.dtype, gemm_rows, self.gemm_dtype)
+        linear_method = select_linear_method(self.device, self.dtype, gemm_rows, self.gemm_dtype, weight_format.int8)
         process_linear_weights(self.model, linear_method)
         # The step functions (step_functions.py): the model's forward serves every step; `decode_step`, where set,
         # serves decode-only steps. NOTE: this is the seam where a CUDA-graph replay of decode steps plugs in.
         self.decode_step: StepFunction | None = None
         self.mixed_step: StepFunction | None = None  # steps with prefill chunks (CUDA graphs: mixed_graphs.py)
         self.model.use_layer_ops(select_layer_ops(self.device, self.dtype, backend.name))
-        if can_pack(self.device, self.dtype) and cpu_kernels.available() and backend.name == "cpu":
+        native = can_pack(self.device, self.dtype) and cpu_kernels.available() and linear_method.native_decode
+        if native and backend.name == "cpu":
             self.decode_step = NativeDecodeStep(self.model)  # NOTE: it writes K/V in the cpu backend's way
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use
         log.info(
