@@ -9,10 +9,12 @@ prompt whose `prompt_logprobs` give the log-probability of every token after the
 Formats (`--formats`, the first is the reference of the agreement columns):
 - `float32`: the model's float32 safetensors export (benchmarks/peer_model.py: the GGUF blocks decoded, bit for bit
   transformers' tensors), run without codes (float32 panels / oneDNN);
-- `gguf`: the `.gguf` model itself, `quantization="gguf"` (the weights computed from their codes).
-`--dtype` is passed to every `LLM` (bfloat16 where the engine runs it).
+- `gguf`: the `.gguf` model itself, `quantization="gguf"` (the weights computed from their codes);
+- `bfloat16`: the float32 export with `dtype="bfloat16"` (bf16 GEMMs);
+- `int8`: the float32 export with `quantization="int8"` (per-channel int8 weights, W8A8 from a few rows).
+`--dtype` is passed to every other format's `LLM`.
 
-    PYTHONPATH=$PWD python benchmarks/quality.py [--formats float32,gguf] [--dtype auto] [--window 512]
+    PYTHONPATH=$PWD python benchmarks/quality.py [--formats float32,gguf,bfloat16,int8] [--dtype auto] [--window 512]
 """
 
 from __future__ import annotations
@@ -56,9 +58,10 @@ def run_format(
     from engine_core import LLM, SamplingParams
     from tests.test_greedy_equality import GREEDY
 
-    quantization = "gguf" if name == "gguf" else None
+    quantization = name if name in ("gguf", "int8") else None
+    dtype = "bfloat16" if name == "bfloat16" else args.dtype
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, quantization=quantization, kv_cache_memory=args.kv_cache_memory)
+    llm = LLM(model, dtype=dtype, quantization=quantization, kv_cache_memory=args.kv_cache_memory)
     scored = llm.generate(
         [{"prompt_token_ids": w} for w in texts],
         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
@@ -80,7 +83,7 @@ def run_format(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="a .gguf file or its directory (default SmolLM2-135M-Instruct)")
-    ap.add_argument("--formats", default="float32,gguf", help="comma list of float32, gguf; the first is the reference")
+    ap.add_argument("--formats", default="float32,gguf", help="float32, gguf, bfloat16, int8 (first: the reference)")
     ap.add_argument("--dtype", default="auto", help="passed to every LLM (float32, bfloat16, ...)")
     ap.add_argument("--window", type=int, default=512, help="tokens per scored window")
     ap.add_argument("--max-windows", type=int, default=0, help="score only the first N windows (0: all)")
@@ -96,7 +99,8 @@ def main() -> None:
 
     cache = default_cache_dir()
     model_dir = resolve_model_dir(args.model, cache)
-    models = {"gguf": model_dir, "float32": peer_model_dir(model_dir, cache)}
+    export = peer_model_dir(model_dir, cache)
+    models = {"gguf": model_dir, "float32": export, "bfloat16": export, "int8": export}
     text, digest = public_text()
     tokenizer = load_tokenizer(model_dir, cache)
     texts = windows(tokenizer.encode(text), args.window, args.max_windows)
