@@ -6,6 +6,8 @@ output channel (`strategy` "channel"), static; input activations absent (weight-
 dynamic. The weights are then `<layer>.weight` (int8 `[out, in]`) and `<layer>.weight_scale` (float `[out, 1]`);
 layers in `ignore` (typically `lm_head`) stay float. Everything else (per-group or per-tensor weights, zero points,
 static activation scales, fp8, packed int4) is refused with the field that says so.
+NOTE: both run as `quantization="int8"` does (weight-only below its raced row count, W8A8 from it): a W8A16
+checkpoint's codes are the same per-channel codes, and its activations are quantized where int8 runs W8A8.
 """
 
 from __future__ import annotations
