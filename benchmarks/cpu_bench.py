@@ -5,7 +5,9 @@
   (`mkldnn._linear_pointwise`), the native
   panel kernel (`panel_linear`, weight packed once into 16-column panels, meant for decode-sized row counts) and,
   up to 64 rows, the coded kernel (`coded_linear`: the same weights read as GGUF blocks, Q4_1 for the layers and
-  Q8_0 for the LM head as in the default model; every kernel runs the same random weights, which are such blocks);
+  Q8_0 for the LM head as in the default model; every kernel runs the same random weights, which are such blocks),
+  bf16 oneDNN (as `dtype="bfloat16"` runs it) and the two int8 kernels of `quantization="int8"` on the same weights
+  quantized per channel (`w8`: weight-only, bf16 activations; `w8a8`: int8 activations with per-token scales, VNNI);
   then the coded kernel on the K-quants' record layouts (Q4_K: 4-bit, Q5_K: 8-bit, Q6_K: two 16-k halves) of
   random valid blocks of the same shapes (`--kquants`).
 - `attention`: decode attention per layer (9 query / 3 KV heads, head dim 64, block size 16, context lengths
@@ -117,6 +119,7 @@ def bench_kquants(rows: list[int]) -> list[dict[str, object]]:
 
 
 def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
+    from engine_core.model.layers.int8_gemm import Int8Weight, int8_gemm, quantize_per_channel
     from kernels import cpu as cpu_kernels
     from kernels.reference import ref_gguf_decoded
 
@@ -129,12 +132,24 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
     lm_packed = torch.ops.mkldnn._reorder_linear_weight(lm, None)
     bf16 = [[torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in ws] for ws in plain]
     lm_bf16 = torch.ops.mkldnn._reorder_linear_weight(lm.bfloat16(), None)
+
+    def int8(w: torch.Tensor, w8a8_m: int) -> Int8Weight:
+        codes, scale = quantize_per_channel(w)
+        return Int8Weight(codes, scale, scale.bfloat16(), w8a8_m)
+
+    never = 1 << 62
+    w8 = [[int8(w, never) for w in ws] for ws in plain]
+    w8a8 = [[Int8Weight(q.codes, q.scale, q.scale_bf16, 0) for q in ws] for ws in w8]
+    lm_w8, lm_w8a8 = int8(lm, never), int8(lm, 0)
     panels = [[(cpu_kernels.panel_pack(w), w.shape[0]) for w in ws] for ws in plain]
     lm_panels = (cpu_kernels.panel_pack(lm), VOCAB)
     coded = [[(cpu_kernels.coded_pack(w), w.shape[0]) for w in ws] for ws in plain]
     lm_coded = (cpu_kernels.coded_pack(lm), VOCAB)
     rows_out: list[dict[str, object]] = []
-    print("rows | 30 layers: mkl, onednn, panel, coded, bf16 | lm head: mkl, onednn, panel, coded, bf16   (ms)")
+    print(
+        "rows | 30 layers: mkl, onednn, panel, coded, bf16, w8, w8a8 | lm head: mkl, onednn, panel, coded, bf16, w8, "
+        "w8a8   (ms)"
+    )
     mkl = torch.nn.functional.linear
 
     def dnn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -143,6 +158,9 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
     def dnn_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """As dtype="bfloat16" runs it (cpu_forms.cpu_gemm): x cast to bf16, the product back to float32."""
         return torch.ops.mkldnn._linear_pointwise(x.bfloat16(), w, None, "none", [], "").float()
+
+    def int8_op(x: torch.Tensor, w: Int8Weight) -> torch.Tensor:
+        return int8_gemm(w, x, None)
 
     def panel(x: torch.Tensor, w: tuple[torch.Tensor, int]) -> torch.Tensor:
         return cpu_kernels.panel_linear(x, w[0], w[1], None)
@@ -165,11 +183,15 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
             row["layers_panel_ms"] = timed(partial(layers, panel, panels, xs))
             row["layers_coded_ms"] = timed(partial(layers, coded_op, coded, xs))
             row["layers_bf16_ms"] = timed(partial(layers, dnn_bf16, bf16, xs))
+            row["layers_w8_ms"] = timed(partial(layers, int8_op, w8, xs))
+            row["layers_w8a8_ms"] = timed(partial(layers, int8_op, w8a8, xs))
             row["lm_mkl_ms"] = timed(partial(mkl, x, lm))
             row["lm_onednn_ms"] = timed(partial(dnn, x, lm_packed))
             row["lm_panel_ms"] = timed(partial(panel, x, lm_panels))
             row["lm_coded_ms"] = timed(partial(coded_op, x, lm_coded))
             row["lm_bf16_ms"] = timed(partial(dnn_bf16, x, lm_bf16))
+            row["lm_w8_ms"] = timed(partial(int8_op, x, lm_w8))
+            row["lm_w8a8_ms"] = timed(partial(int8_op, x, lm_w8a8))
         cells = [row[k] for k in row if k != "rows"]
         print(f"{m:>5} " + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells), flush=True)
         rows_out.append(row)

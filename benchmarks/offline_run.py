@@ -50,7 +50,14 @@ def pagoda_engine(args: argparse.Namespace) -> tuple[Generate, str]:
 
     # NOTE: Pagoda's defaults otherwise (max_num_seqs, max_num_batched_tokens, backend); the KV budget and thread
     # count are the two settings the workload fixes for every engine.
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_gib, num_threads=args.threads)
+    quantization = None if args.quantization == "none" else args.quantization
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=quantization,
+        kv_cache_memory=args.kv_cache_gib,
+        num_threads=args.threads,
+    )
 
     def generate(prompts: list[list[int]], output_lens: list[int]) -> int:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in output_lens]
@@ -128,6 +135,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 (Pagoda, vLLM)")
+    ap.add_argument("--quantization", default="none", help="none | int8 (Pagoda)")
     ap.add_argument("--batch1-repeats", type=int, default=2)
     ap.add_argument("--hf-batch", type=int, default=16, help="transformers: static batch size")
     args = ap.parse_args()

@@ -9,12 +9,13 @@ prompt whose `prompt_logprobs` give the log-probability of every token after the
 Formats (`--formats`, the first is the reference of the agreement columns):
 - `float32`: the model's float32 safetensors export (benchmarks/peer_model.py: the GGUF blocks decoded, bit for bit
   transformers' tensors), run without codes (float32 panels / oneDNN);
-- `gguf`: the `.gguf` model itself, `quantization="gguf"` (the weights computed from their codes).
+- `gguf`: the `.gguf` model itself, `quantization="gguf"` (the weights computed from their codes);
+- `int8`: the float32 export with `quantization="int8"` (per-channel int8 weights, W8A8 from a few rows).
 A format may name its `dtype` and `kv_cache_dtype` after it, `WEIGHTS[:DTYPE[:KV_CACHE_DTYPE]]`
 (`float32:bfloat16` is bf16 GEMMs with "auto", i.e. a bf16 KV cache; `float32:float32:bfloat16` a bf16 KV cache
 alone); otherwise `--dtype` and "auto".
 
-    PYTHONPATH=$PWD python benchmarks/quality.py [--formats float32,gguf,float32:bfloat16] [--dtype auto]
+    PYTHONPATH=$PWD python benchmarks/quality.py [--formats float32,gguf,float32:bfloat16,int8] [--dtype auto]
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def run_format(
     from tests.test_greedy_equality import GREEDY
 
     weights, dtype, kv_cache_dtype = (name.split(":") + [args.dtype, "auto"][name.count(":") :])[:3]
-    quantization = "gguf" if weights == "gguf" else None
+    quantization = weights if weights in ("gguf", "int8") else None
     t0 = time.perf_counter()
     llm = LLM(
         model,
@@ -92,7 +93,7 @@ def main() -> None:
     ap.add_argument(
         "--formats",
         default="float32,gguf",
-        help="comma list of float32, gguf[:dtype[:kv_cache_dtype]]; the first is the reference",
+        help="comma list of float32, gguf, int8, each [:dtype[:kv_cache_dtype]]; the first is the reference",
     )
     ap.add_argument("--dtype", default="auto", help="passed to every LLM (float32, bfloat16, ...)")
     ap.add_argument("--window", type=int, default=512, help="tokens per scored window")
@@ -109,7 +110,8 @@ def main() -> None:
 
     cache = default_cache_dir()
     model_dir = resolve_model_dir(args.model, cache)
-    models = {"gguf": model_dir, "float32": peer_model_dir(model_dir, cache)}
+    export = peer_model_dir(model_dir, cache)
+    models = {"gguf": model_dir, "float32": export, "int8": export}
     text, digest = public_text()
     tokenizer = load_tokenizer(model_dir, cache)
     texts = windows(tokenizer.encode(text), args.window, args.max_windows)

@@ -54,10 +54,12 @@ class OfflineRow:
     total_tok_s: dict[str, float]  # workload name -> total tok/s
     batch1_ms_per_token: list[float]
     dtype: str = "float32"
+    quantization: str = "none"
 
     @property
     def label(self) -> str:
-        return self.engine if self.dtype == "float32" else f"{self.engine}/{self.dtype}"
+        parts = [self.engine] + ([self.dtype] if self.dtype != "float32" else [])
+        return "/".join(parts + ([self.quantization] if self.quantization != "none" else []))
 
 
 @dataclass
@@ -101,15 +103,18 @@ def engine_env(engine: str, args: argparse.Namespace) -> tuple[str, dict[str, st
     return f"{args.vllm_venv}/bin/python", env
 
 
-def run_offline(engine: str, dtype: str, rnd: int, args: argparse.Namespace, logs: Path) -> OfflineRow:
+def run_offline(
+    engine: str, dtype: str, rnd: int, args: argparse.Namespace, logs: Path, quantization: str = "none"
+) -> OfflineRow:
     python, env = engine_env(engine, args)
-    out = logs / f"offline-{engine}-{dtype}-{rnd}.json"
+    out = logs / f"offline-{engine}-{dtype}-{quantization}-{rnd}.json"
     model = args.model_dir if engine == "pagoda" else args.peer_model_dir
     cmd = [python, str(HERE / "offline_run.py"), "--engine", engine, "--model", model, "--out", str(out)]
     cmd += ["--workloads", args.workloads, "--num-requests", str(args.num_requests), "--seed", str(args.seed)]
     cmd += ["--threads", str(args.threads), "--kv-cache-gib", f"{args.kv_cache_gib:g}"]
-    cmd += ["--batch1-repeats", str(args.batch1_repeats), "--dtype", dtype]
-    child = Child(f"offline-{engine}-{dtype}-{rnd}", cmd, env, str(REPO if engine != "vllm" else logs), logs)
+    cmd += ["--batch1-repeats", str(args.batch1_repeats), "--dtype", dtype, "--quantization", quantization]
+    name = f"offline-{engine}-{dtype}-{quantization}-{rnd}"
+    child = Child(name, cmd, env, str(REPO if engine != "vllm" else logs), logs)
     try:
         code = child.wait(args.timeout)
     finally:
@@ -126,6 +131,7 @@ def run_offline(engine: str, dtype: str, rnd: int, args: argparse.Namespace, log
         {w["workload"]: w["total_tok_s"] for w in rec["workloads"]},
         rec["batch1_ms_per_token"],
         dtype,
+        quantization,
     )
     print(f"  offline {row.label:16s} round {rnd}: {fmt_offline(row)}", flush=True)
     return row
@@ -239,8 +245,8 @@ def mean(xs: list[float]) -> float:
 def report(offline: list[OfflineRow], serving: list[ServingRow]) -> list[str]:
     """The ratios the issue asks for, from the means over rounds of this run only."""
     lines = []
-    by = {e: [r for r in offline if r.label == e] for e in {r.label for r in offline}}
-    for dtype in sorted({r.dtype for r in offline}):
+    by = {e: [r for r in offline if r.label == e] for e in {r.label for r in offline}}  # NOTE: label holds the dtype
+    for dtype in sorted({r.dtype for r in offline if r.quantization == "none"}):
         pl, vl = (
             OfflineRow("pagoda", 0, "", 0, 0, {}, [], dtype).label,
             OfflineRow("vllm", 0, "", 0, 0, {}, [], dtype).label,
@@ -255,6 +261,14 @@ def report(offline: list[OfflineRow], serving: list[ServingRow]) -> list[str]:
         p = mean([x for r in by[pl] for x in r.batch1_ms_per_token])
         v = mean([x for r in by[vl] for x in r.batch1_ms_per_token])
         lines.append(f"offline batch-1 {dtype}: pagoda {p:.1f} ms/tok, vllm {v:.1f} ms/tok (target <= 20)")
+    vllm_best = max(
+        ((mean([r.total_tok_s["random"] for r in rows]), e) for e, rows in by.items() if e.startswith("vllm")),
+        default=None,
+    )
+    for e, rows in sorted(by.items()):  # every Pagoda variant against vLLM's fastest dtype of this run
+        if e.startswith("pagoda") and vllm_best is not None and "random" in rows[0].total_tok_s:
+            p = mean([r.total_tok_s["random"] for r in rows])
+            lines.append(f"offline random {e}: {p:.1f} / {vllm_best[1]} {vllm_best[0]:.1f} = {p / vllm_best[0]:.2f}x")
     for e, rows in sorted(by.items()):
         up, rss = mean([r.startup_s for r in rows]), max(r.peak_rss_gb for r in rows)
         lines.append(f"{e} offline: start-up {up:.1f} s, peak RSS {rss:.2f} GB")
@@ -301,6 +315,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--dtypes", default="float32", help="offline: comma list of float32, bfloat16 (each engine)")
+    ap.add_argument(
+        "--quantizations",
+        default="none",
+        help="offline: comma list of none, int8 (int8: Pagoda only, with each float32 dtype; vLLM runs none)",
+    )
     ap.add_argument("--batch1-repeats", type=int, default=2)
     ap.add_argument(
         "--pagoda-serve-args",
@@ -340,7 +359,11 @@ def main() -> None:
     wl = make("random", args.num_requests, args.seed)
     for rnd in range(1, args.rounds + 1):
         if "offline" in modes:
-            offline += [run_offline(e, d, rnd, args, logs) for d in args.dtypes.split(",") for e in engines]
+            # NOTE: int8's activations are float32 whatever the dtype, so it runs once, beside dtype float32
+            runs = [(e, d, "none") for d in args.dtypes.split(",") for e in engines]
+            quants = [q for q in args.quantizations.split(",") if q != "none"] if "pagoda" in engines else []
+            runs += [("pagoda", "float32", q) for q in quants]
+            offline += [run_offline(e, d, rnd, args, logs, q) for e, d, q in runs]
         if "serving" in modes:
             for e in engines:
                 variants = [shlex.split(v) for v in args.pagoda_serve_args] if e == "pagoda" else [[]]

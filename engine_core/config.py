@@ -29,7 +29,9 @@ def _opt(default: Any, help: str) -> Any:
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # NOTE: vLLM's names; its fp8 caches have no CPU kernels here and are refused by name.
 _KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
-QUANTIZATIONS = ("gguf",)  # vLLM's names; None: the checkpoint's own format (gguf for a .gguf model)
+# vLLM's names (int8: quantized per output channel at load; compressed-tensors: a checkpoint already int8 in that
+# format, which also runs as int8); None: the checkpoint's own format (gguf for a .gguf model)
+QUANTIZATIONS = ("gguf", "int8", "compressed-tensors")
 _POLICIES = ("fcfs", "priority")
 _BACKENDS = ("cpu", "torch", "triton")
 
@@ -46,7 +48,10 @@ class EngineConfig:
     dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
     # NOTE: a .gguf model is computed from its codes whether or not this says gguf (the codes give float32's bits);
     # naming it makes a non-GGUF model an error at load instead of a silent float32 run.
-    quantization: str | None = _opt(None, "gguf (default for a .gguf model); none: the checkpoint's own format")
+    # int8 (CPU, AVX-512 VNNI): model/layers/cpu_int8.py; float32 stays the default (docs/decisions.md).
+    quantization: str | None = _opt(
+        None, "gguf (default for a .gguf model) | int8 | compressed-tensors; none: the checkpoint's own format"
+    )
     device: str = _opt("cpu", "cpu | cuda | cuda:N")
     seed: int = _opt(0, "seed of the shared sampling generator")
     # KV cache

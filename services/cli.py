@@ -164,7 +164,10 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", default=field_default("dtype"))
     serve.add_argument("--kv-cache-dtype", default=field_default("kv_cache_dtype"), help="auto | bfloat16 | float32")
     serve.add_argument(
-        "--quantization", default=field_default("quantization"), choices=QUANTIZATIONS, help="a .gguf model: gguf"
+        "--quantization",
+        default=field_default("quantization"),
+        choices=QUANTIZATIONS,
+        help="gguf (a .gguf model) | int8 | compressed-tensors",
     )
     serve.add_argument(
         "--kv-cache-memory", type=float, default=field_default("kv_cache_memory"), help="GiB of KV cache per worker"

@@ -32,6 +32,7 @@ from engine_core.model.layers.selector import select_linear_method
 from engine_core.model.llama import model_class
 from engine_core.model.loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
 from engine_core.model.native_decode import NativeDecodeStep
+from engine_core.model.quantization import resolve_weight_format
 from engine_core.plan import LogprobsTensors, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
 from engine_core.sample.sampler import FAILED_TOKEN, Sampler, compute_logprobs
 from engine_core.sample.sampling_batch import SamplingBatch
@@ -122,6 +123,7 @@ class ModelRunner:
                 torch.set_num_threads(threads)
         if config.quantization == "gguf" and gguf_file(model_dir) is None:
             raise ValueError(f"quantization='gguf' needs a .gguf model; {config.model or model_dir} has none")
+        weight_format = resolve_weight_format(config.quantization, model_dir, self.device)
         prefetch_weights(model_dir)  # the disk read overlaps the config import and the model's construction
         hf = load_config(model_dir)
         self.hf_config = hf
@@ -147,10 +149,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = cls(hf, backend, self.max_model_len, self.tp)
-        model.load_weights(iter_weights(model_dir, hf, with_codes=True))
+        model.load_weights(weight_format.weights(iter_weights(model_dir, hf, with_codes=True)))
         self.model = model.to(dtype=self.dtype).eval()
         # NOTE: after the dtype cast: each linear's method keeps its weight in the form(s) its kernels read, once.
-        linear_method = select_linear_method(self.device, self.dtype, gemm_rows, self.gemm_dtype)
+        linear_method = select_linear_method(self.device, self.dtype, gemm_rows, self.gemm_dtype, weight_format.int8)
         process_linear_weights(self.model, linear_method)
         self.model.embed_from_lm_head_codes()  # NOTE: the tied table kept once, as the LM head's codes
         # The step functions (step_functions.py): the model's forward serves every step; `decode_step`, where set,
@@ -160,7 +162,12 @@ class ModelRunner:
         self.model.use_layer_ops(select_layer_ops(self.device, self.dtype, backend.name))
         # NOTE: the native step has no collective between its layers: under tensor parallelism decode steps run the
         # layer loop (docs/architecture.md, "Tensor parallelism").
-        native = can_pack(self.device, self.dtype) and cpu_kernels.available() and backend.name == "cpu"
+        native = (
+            can_pack(self.device, self.dtype)
+            and cpu_kernels.available()
+            and backend.name == "cpu"
+            and linear_method.native_decode
+        )
         if native and self.tp.size == 1:
             self.decode_step = NativeDecodeStep(self.model)  # NOTE: it writes K/V in the cpu backend's way
         self.model.rotary.to(torch.float32)  # cos/sin tables stay fp32, cast per use

@@ -8,9 +8,10 @@ into the form(s) its kernels read and drops what none of them reads (`process_we
 - `UnquantizedLinearMethod` (here): the plain weight through `F.linear`: CUDA, bf16/fp16, and every layer before
   its weights are processed;
 - `CpuFloat32Method` (cpu_float32.py): CPU float32, dispatched by row count (panel kernel, oneDNN, MKL);
-- `GgufCodesMethod` (gguf_codes.py): the same, and a weight that is exactly GGUF blocks decoded is kept as its codes.
+- `GgufCodesMethod` (gguf_codes.py): the same, and a weight that is exactly GGUF blocks decoded is kept as its codes;
+- `CpuBfloat16Method` (cpu_bfloat16.py), `CpuInt8Method` (cpu_int8.py): bf16 / int8 weights on CPU.
 
-NOTE: room for what comes next, not built: an int8/bf16 method is one more `LinearMethod`; column/row sharding for
+NOTE: room for what comes next, not built: column/row sharding for
 tensor parallelism narrows `weight_loader`'s copy to this rank's rows (column) or columns (row), as nano-vllm's
 `ColumnParallelLinear` / `RowParallelLinear` do.
 """
@@ -28,12 +29,14 @@ from engine_core.model.layers.block_codes import BlockCodes, cat_rows
 
 if TYPE_CHECKING:
     from engine_core.model.layers.cpu_forms import CpuWeightForms
+    from engine_core.model.layers.int8_gemm import Int8Weight
 
 
 class LinearMethod(ABC):
     """How a `Linear`'s weight is stored and multiplied. Stateless: what a layer keeps lives on the layer."""
 
     name: str
+    native_decode: bool = True  # whether kernels/cpu/decode_step.cpp can run this method's CPU forms
 
     @abstractmethod
     def process_weights_after_loading(self, layer: Linear) -> None:
@@ -83,6 +86,7 @@ class Linear(nn.Module):
         self.cpu_forms: CpuWeightForms | None = None  # set by the CPU methods (cpu_forms.py)
         # Each shard's GGUF codes where the checkpoint gave them (K-quants), until the method has read them
         self.block_codes: list[BlockCodes | None] = [None] * self.num_shards
+        self.int8: Int8Weight | None = None  # set by the int8 method (cpu_int8.py, int8_gemm.py)
 
     @property
     def num_shards(self) -> int:

@@ -7,18 +7,25 @@ import torch
 from engine_core.model.layers.cpu_bfloat16 import CpuBfloat16Method
 from engine_core.model.layers.cpu_float32 import CpuFloat32Method
 from engine_core.model.layers.cpu_gemm_rows import CpuGemmRows, can_pack
+from engine_core.model.layers.cpu_int8 import CpuInt8Method
 from engine_core.model.layers.gguf_codes import GgufCodesMethod
 from engine_core.model.layers.linear import UNQUANTIZED, LinearMethod
 
 
 def select_linear_method(
-    device: torch.device, dtype: torch.dtype, rows: CpuGemmRows | None = None, gemm_dtype: torch.dtype | None = None
+    device: torch.device,
+    dtype: torch.dtype,
+    rows: CpuGemmRows | None = None,
+    gemm_dtype: torch.dtype | None = None,
+    int8: bool = False,
 ) -> LinearMethod:
     """CPU float32 (with oneDNN): the row-count dispatch, reading GGUF codes where a weight has them (`rows`: this
     CPU's thresholds unless given); with `gemm_dtype` bfloat16 (activations float32): bf16 weights through oneDNN
-    (cpu_bfloat16.py); anything else: `F.linear` on the plain weight."""
+    (cpu_bfloat16.py); with `int8`: int8 weights (cpu_int8.py); anything else: `F.linear` on the plain weight."""
     if not can_pack(device, dtype):
         return UNQUANTIZED
+    if int8:
+        return CpuInt8Method()
     if gemm_dtype == torch.bfloat16:
         return CpuBfloat16Method(rows)
     rows = rows or CpuGemmRows.for_this_cpu()

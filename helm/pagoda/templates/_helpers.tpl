@@ -78,7 +78,7 @@ dns:///{{ include "pagoda.name" (dict "root" . "component" "engine") }}.{{ .Rele
 {{- define "pagoda.engineEnv" -}}
 {{- $e := .root.Values.engine -}}
 {{- $all := dict
-  "PAGODA_DTYPE" $e.dtype "PAGODA_DEVICE" $e.device "PAGODA_BLOCK_SIZE" $e.blockSize
+  "PAGODA_DTYPE" $e.dtype "PAGODA_QUANTIZATION" $e.quantization "PAGODA_DEVICE" $e.device "PAGODA_BLOCK_SIZE" $e.blockSize
   "PAGODA_KV_CACHE_MEMORY" $e.kvCacheMemory "PAGODA_GPU_MEMORY_UTILIZATION" $e.gpuMemoryUtilization
   "PAGODA_MAX_MODEL_LEN" $e.maxModelLen "PAGODA_ATTENTION_BACKEND" $e.attentionBackend
   "PAGODA_NUM_THREADS" $e.numThreads "PAGODA_SEED" $e.seed "PAGODA_MAX_NUM_SEQS" $e.maxNumSeqs
@@ -88,7 +88,7 @@ dns:///{{ include "pagoda.name" (dict "root" . "component" "engine") }}.{{ .Rele
   "PAGODA_TENSOR_PARALLEL_SIZE" $e.tensorParallelSize
   "PAGODA_MODEL" (include "pagoda.modelPath" .root) -}}
 {{- $keys := dict
-  "worker" (list "PAGODA_MODEL" "PAGODA_DTYPE" "PAGODA_DEVICE" "PAGODA_BLOCK_SIZE" "PAGODA_KV_CACHE_MEMORY" "PAGODA_GPU_MEMORY_UTILIZATION" "PAGODA_MAX_MODEL_LEN" "PAGODA_ATTENTION_BACKEND" "PAGODA_NUM_THREADS" "PAGODA_SEED" "PAGODA_MAX_NUM_SEQS" "PAGODA_NUM_KV_BLOCKS" "PAGODA_TENSOR_PARALLEL_SIZE" "PAGODA_SPECULATIVE_CONFIG")
+  "worker" (list "PAGODA_MODEL" "PAGODA_DTYPE" "PAGODA_QUANTIZATION" "PAGODA_DEVICE" "PAGODA_BLOCK_SIZE" "PAGODA_KV_CACHE_MEMORY" "PAGODA_GPU_MEMORY_UTILIZATION" "PAGODA_MAX_MODEL_LEN" "PAGODA_ATTENTION_BACKEND" "PAGODA_NUM_THREADS" "PAGODA_SEED" "PAGODA_MAX_NUM_SEQS" "PAGODA_NUM_KV_BLOCKS" "PAGODA_TENSOR_PARALLEL_SIZE" "PAGODA_SPECULATIVE_CONFIG")
   "scheduler" (list "PAGODA_MAX_NUM_SEQS" "PAGODA_MAX_NUM_BATCHED_TOKENS" "PAGODA_SCHEDULING_POLICY" "PAGODA_ASYNC_SCHEDULING" "PAGODA_ENABLE_PREFIX_CACHING" "PAGODA_NUM_KV_BLOCKS" "PAGODA_SPECULATIVE_CONFIG" "PAGODA_TENSOR_PARALLEL_SIZE")
   "frontend" (list "PAGODA_MODEL") -}}
 {{- $cm := include "pagoda.name" (dict "root" .root "component" "engine") -}}

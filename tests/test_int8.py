@@ -1,0 +1,185 @@
+"""`quantization="int8"` on CPU: per-channel codes, both kernels against the float product of those codes, the
+compressed-tensors int8 checkpoint format (accepted variants load to the same codes; the rest refused by field), and
+the refusals at load that name the flag."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine_core import LLM, SamplingParams
+from engine_core.checkpoint.compressed_tensors import parse_quantization_config
+from engine_core.config import EngineConfig
+from engine_core.model.compressed_tensors_weights import iter_int8_checkpoint
+from engine_core.model.layers.cpu_bfloat16 import this_cpu_flags
+from engine_core.model.layers.cpu_int8 import int8_unsupported
+from engine_core.model.layers.int8_gemm import Int8Weight, int8_gemm, quantize_per_channel
+from engine_core.model.layers.linear import Linear
+from engine_core.model.quantization import resolve_weight_format
+from services.cli import _parser
+from tests.test_model_families import VOCAB, _tiny
+
+needs_vnni = pytest.mark.skipif(int8_unsupported(this_cpu_flags()) is not None, reason="no int8 dot products here")
+
+
+def test_per_channel_codes_round_trip_within_half_a_step() -> None:
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 80, generator=gen) * torch.linspace(0.01, 3.0, 96)[:, None]
+    w[7] = 0.0
+    codes, scale = quantize_per_channel(w)
+    assert codes.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (96,)
+    assert int(codes.abs().max()) == 127 and int(codes.min()) >= -127
+    assert torch.all(codes[7] == 0) and scale[7] == 1.0
+    err = (codes.float() * scale[:, None] - w).abs()
+    assert torch.all(err <= scale[:, None] / 2 * (1 + 1e-5))
+    # quantizing the dequantized weight gives the same codes (how a checkpoint's codes survive the load)
+    again, scale2 = quantize_per_channel(codes.float() * scale[:, None])
+    assert torch.equal(again, codes) and torch.allclose(scale2, scale, rtol=1e-6)
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("kernel", ["weight_only", "w8a8"])
+def test_both_kernels_track_the_float_product_of_the_codes(rows: int, kernel: str) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    codes, scale = quantize_per_channel(torch.randn(192, 160, generator=gen))
+    w = Int8Weight(codes, scale, scale.to(torch.bfloat16), w8a8_m=10**9 if kernel == "weight_only" else 0)
+    x, bias = torch.randn(rows, 160, generator=gen), torch.randn(192, generator=gen)
+    want = x @ (codes.float() * scale[:, None]).T + bias
+    got = int8_gemm(w, x, bias)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    zero = int8_gemm(w, torch.zeros(rows, 160), bias)  # zero rows (scale 1, codes 0) give the bias exactly
+    assert torch.equal(zero, bias.expand(rows, -1))
+    rel = ((got - want).norm() / (want - bias).norm()).item()
+    # NOTE: measured ~0.3 % (bf16 activations) and ~0.8 % (int8 activations); a wrong scale or layout is >= 10 %
+    assert rel < 0.02, rel
+
+
+def test_int8_is_refused_on_a_cpu_without_int8_dot_products(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="quantization='int8' needs a CPU with one of avx512_vnni"):
+        resolve_weight_format("int8", str(tmp_path), cpu, cpu_flags={"avx2", "fma"})
+    assert resolve_weight_format("int8", str(tmp_path), cpu, cpu_flags={"avx512_vnni"}).int8
+    assert not resolve_weight_format(None, str(tmp_path), cpu, cpu_flags=set()).int8
+    with pytest.raises(ValueError, match="quantization='compressed-tensors' needs a checkpoint"):
+        resolve_weight_format("compressed-tensors", str(tmp_path), cpu, cpu_flags={"avx512_vnni"})
+    with pytest.raises(ValueError, match="runs on CPU only"):
+        resolve_weight_format("int8", str(tmp_path), torch.device("cuda"), cpu_flags={"avx512_vnni"})
+
+
+def test_int8_names_are_flags() -> None:
+    assert EngineConfig(quantization="int8").quantization == "int8"
+    for name in ("int8", "compressed-tensors"):
+        assert _parser().parse_args(["serve", "--quantization", name]).quantization == name
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int4")
+
+
+def _scheme(weights: dict | None = None, inputs: dict | str | None = "token", **top: object) -> dict:
+    w = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False}
+    a = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    group = {"targets": ["Linear"], "weights": {**w, **(weights or {})}, "input_activations": a}
+    if inputs is None:
+        group["input_activations"] = None
+    elif isinstance(inputs, dict):
+        group["input_activations"] = {**a, **inputs}
+    qc = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": group}}
+    return {"quantization_config": {**qc, "ignore": ["lm_head"], **top}}
+
+
+def test_compressed_tensors_variants_accepted_and_refused_by_field() -> None:
+    assert parse_quantization_config({}) is None
+    assert parse_quantization_config({"quantization_config": {"quant_method": "gptq"}}) is None
+    w8a8 = parse_quantization_config(_scheme())
+    assert w8a8 is not None and w8a8.w8a8 and w8a8.ignore == ("lm_head",)
+    w8a16 = parse_quantization_config(_scheme(inputs=None))
+    assert w8a16 is not None and not w8a16.w8a8
+    refused = {
+        "weights.strategy": _scheme(weights={"strategy": "group", "group_size": 128}),
+        "weights.symmetric": _scheme(weights={"symmetric": False}),
+        "weights.num_bits": _scheme(weights={"num_bits": 4}),
+        "weights.type": _scheme(weights={"type": "float"}),
+        "input_activations.dynamic": _scheme(inputs={"dynamic": False}),
+        "input_activations.strategy": _scheme(inputs={"strategy": "tensor"}),
+        "quantization_config.format": _scheme(format="pack-quantized"),
+    }
+    for field, raw in refused.items():
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            parse_quantization_config(raw)
+
+
+def test_an_int8_weight_without_its_scale_is_named() -> None:
+    w = torch.ones(4, 3, dtype=torch.int8)
+    merged = dict(iter_int8_checkpoint([("a.weight_scale", torch.full((4, 1), 0.5)), ("a.weight", w)]))
+    assert torch.equal(merged["a.weight"], torch.full((4, 3), 0.5))
+    with pytest.raises(ValueError, match=r"int8 weight 'b\.weight' has no weight_scale"):
+        list(iter_int8_checkpoint([("b.weight", w)]))
+    with pytest.raises(ValueError, match=r"'c\.input_scale' is not supported"):
+        list(iter_int8_checkpoint([("c.input_scale", torch.ones(1))]))
+    with pytest.raises(ValueError, match=r"d\.weight_scale: expected a float scale per output channel \(4\)"):
+        list(iter_int8_checkpoint([("d.weight", w), ("d.weight_scale", torch.ones(3))]))
+
+
+def _compressed_tensors_copy(float_dir: Path, target: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """`float_dir`'s model written as a compressed-tensors W8A8 checkpoint (per-channel codes, scale = absmax / 127,
+    lm_head kept float as in `ignore`); returns each quantized weight's (codes, scale)."""
+    target.mkdir()
+    tensors = load_file(str(float_dir / "model.safetensors"))
+    out, quantized = {}, {}
+    for name, t in tensors.items():
+        if t.dim() == 2 and "embed" not in name and "lm_head" not in name:
+            codes, scale = quantize_per_channel(t)
+            out[name], out[f"{name}_scale"] = codes, scale[:, None].clone()
+            quantized[name.removeprefix("model.")] = (codes, scale)
+        else:
+            out[name] = t
+    save_file(out, str(target / "model.safetensors"))
+    for f in float_dir.iterdir():
+        if f.name not in ("model.safetensors", "config.json"):
+            (target / f.name).write_bytes(f.read_bytes())
+    config = json.loads((float_dir / "config.json").read_text())
+    config |= _scheme()
+    (target / "config.json").write_text(json.dumps(config))
+    return quantized
+
+
+@needs_vnni
+def test_a_compressed_tensors_checkpoint_loads_its_own_codes(tmp_path: Path, smollm2_dir: str) -> None:
+    """The W8A8 checkpoint's codes and scales are the layers' (Q/K/V and gate/up stacked in order), and it decodes the
+    same tokens as `quantization="int8"` on the float model it was quantized from (the same codes, the same
+    kernels)."""
+    float_dir = _tiny("llama", tmp_path / "float", smollm2_dir)
+    quantized = _compressed_tensors_copy(float_dir, tmp_path / "ct")
+    ct = LLM(str(tmp_path / "ct"), kv_cache_memory=0.02, enable_prefix_caching=False)
+    model = ct.core.executor.model
+    layer = model.layers[1]
+    fused = {
+        layer.self_attn.qkv_proj: ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        layer.mlp.gate_up_proj: ("mlp.gate_proj", "mlp.up_proj"),
+        layer.mlp.down_proj: ("mlp.down_proj",),
+    }
+    for linear, parts in fused.items():
+        assert isinstance(linear, Linear) and linear.int8 is not None and linear.weight is None
+        want = [quantized[f"layers.1.{p}.weight"] for p in parts]
+        assert torch.equal(linear.int8.codes, torch.cat([c for c, _ in want]))
+        assert torch.allclose(linear.int8.scale, torch.cat([s for _, s in want]), rtol=1e-6)
+    assert model.lm_head.int8 is not None  # the checkpoint's float LM head runs int8 too (quantized at load)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (40, 7)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in ct.generate(prompts, params, use_tqdm=False)]
+    del ct
+    ref = LLM(str(float_dir), quantization="int8", kv_cache_memory=0.02, enable_prefix_caching=False)
+    want_tokens = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
+    assert got == want_tokens
+
+
+def test_a_refused_compressed_tensors_scheme_fails_at_load_naming_the_field(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(_scheme(weights={"strategy": "tensor"})))
+    with pytest.raises(ValueError, match=r"config_groups\.group_0\.weights\.strategy = 'tensor'"):
+        LLM(str(tmp_path), kv_cache_memory=0.01)
