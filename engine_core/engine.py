@@ -146,7 +146,7 @@ class EngineCore:
         spec = sched.drafter.stats if sched.drafter is not None else SpecDecodeStats()
         return EngineStats(
             running=len(sched.running),
-            waiting=len(sched.waiting),
+            waiting=len(sched.waiting) + sched.grammar_gate.num_seqs,
             num_requests=len(sched.requests),
             free_blocks=pool.num_free,
             total_blocks=pool.num_blocks,
@@ -174,7 +174,13 @@ class EngineCore:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             plan = self.scheduler.schedule()
-            if plan.is_empty and not plan.finished_seq_ids and not plan.copy_blocks and not plan.beam_deltas:
+            if (
+                plan.is_empty
+                and not plan.finished_seq_ids
+                and not plan.copy_blocks
+                and not plan.beam_deltas
+                and not self.scheduler.grammar_gate.held  # NOTE: an empty step still brings the compiles' results
+            ):
                 return []
             if submit is None:
                 return self.process(plan, self.executor.execute(plan))

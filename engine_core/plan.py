@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -57,6 +58,15 @@ class BeamDelta:
 
 
 @dataclass
+class GrammarRequest:
+    """A request's constraint for the worker to compile off its step thread (core/grammar_gate.py); the request
+    waits in the scheduler until the worker reports it in `ModelRunnerOutput.grammar_results`."""
+
+    request_id: str
+    params: StructuredOutputsParams
+
+
+@dataclass
 class SchedulerOutput:
     """One step's plan. `num_scheduled_tokens` orders the batch: the worker runs sequences in this order."""
 
@@ -74,6 +84,8 @@ class SchedulerOutput:
     # Beam search: rows re-parented since the last step, applied before `finished_seq_ids` (a parent may leave in
     # the same plan its child forks from it).
     beam_deltas: list[BeamDelta] = field(default_factory=list)
+    # Structured output: constraints to compile in the background, for requests held until they are ready.
+    grammars: list[GrammarRequest] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -117,3 +129,5 @@ class ModelRunnerOutput:
     # Rows that failed alone (their sampling or a logits processor raised, or no token could be sampled): seq_id ->
     # message. The scheduler ends those sequences with an error; the step's other rows are unaffected.
     errors: dict[int, str] = field(default_factory=dict)
+    # Compiles of `SchedulerOutput.grammars` finished since the last step: request_id -> "" (ready) or why not.
+    grammar_results: dict[str, str] = field(default_factory=dict)

@@ -41,6 +41,7 @@ from engine_core.worker.host_memory import zeroed_host_tensor
 from engine_core.worker.input_batch import InputBatch, StepInputs
 from engine_core.worker.kv_prefault import KvPrefaulter
 from engine_core.worker.mixed_graphs import CudaGraphMixedStep, token_buckets
+from engine_core.worker.pending_grammars import IDLE_WAIT_S, PendingGrammars
 from engine_core.worker.spec_verify import Verification, advance_verified, write_drafts
 from engine_core.worker.step_functions import StepFunction, pick_step_function
 from engine_core.worker.step_sampling import StepSample, batch_metadata, sample_step
@@ -192,6 +193,7 @@ class ModelRunner:
             self.info.vocab_size, self.device, max_rows, seed=self.config.seed, grammar_backend=self.grammar_backend
         )
         self._prompt_logprob_seqs: set[int] = set()
+        self.grammars = PendingGrammars(self.grammar_backend)  # compiles the scheduler's gate waits for
 
     def _cuda_graph_step(self, num_kv_heads: int) -> CudaGraphDecodeStep:
         triton_kernels = importlib.import_module("kernels.triton")  # NOTE: CUDA only; the CPU engine imports no Triton
@@ -283,11 +285,16 @@ class ModelRunner:
         prefaulter = self._prefaulter
         if prefaulter is not None:
             prefaulter.pause()
+        grammars = self.grammars
+        if plan.grammars:
+            grammars.submit(plan.grammars)  # NOTE: compiled on the backend's thread while this step runs
         try:
             out = self._execute(plan, timings)
         finally:
             if prefaulter is not None:
                 prefaulter.resume()
+        if grammars:
+            out.grammar_results = grammars.poll(IDLE_WAIT_S if plan.is_empty else 0.0)
         timings.end = time.perf_counter()
         return out
 
