@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_core.config import EngineConfig
-from engine_core.core.beam_group import BeamGroup
+from engine_core.core.beam_group import BeamGroup, BeamTotals
 from engine_core.core.grammar_gate import GrammarGate
 from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.core.request import FinishReason, LifecycleEvent, LifecycleKind, Request, Sequence, SequenceStatus
@@ -53,6 +53,7 @@ class Scheduler:
         self._to_drop: list[int] = []  # finished/preempted since the last step: the worker forgets them
         self.num_preemptions = 0
         self.beam_groups: dict[str, BeamGroup] = {}  # request_id -> its group, for beam search requests
+        self.beam_totals = BeamTotals()  # of the groups that ended, for metrics
         self.finished_beams: list[BeamGroup] = []  # ended in `update`: the engine reports their hypotheses
         self.grammar_gate = GrammarGate()  # structured-output requests waiting for their grammar, outside `waiting`
         key: Callable[[Sequence], tuple] = (
@@ -406,6 +407,7 @@ class Scheduler:
             out.copy_blocks += copies
             if request_id not in self.requests:  # ended (search done, aborted or failed)
                 del self.beam_groups[request_id]
+                self.beam_totals.add(group.counts)
 
     # ---- results ----------------------------------------------------------------------------------------------
     def update(self, runner_out: ModelRunnerOutput) -> list[SequenceUpdate]:
