@@ -406,10 +406,22 @@ class ModelRunner:
         for cached in plan.cached_seqs:
             self.batch.append_blocks(cached.seq_id, cached.new_block_ids)
         if plan.copy_blocks:
-            src = torch.tensor([s for s, _ in plan.copy_blocks], device=self.device)
-            dst = torch.tensor([d for _, d in plan.copy_blocks], device=self.device)
+            self._copy_blocks(plan.copy_blocks)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked partial blocks (n > 1, beam search), before the forward pass."""
+        if self.device.type == "cpu":
+            # NOTE: one block slice per pair: advanced indexing of the [2, blocks, ...] views (cache[:, dst] =
+            # cache[:, src]) took 10-30x as long on CPU (48 pairs x 30 layers: 0.5-2.2 s against 50-75 ms), and a
+            # beam-search step forks that many (docs/benchmarks.md, "Beam search").
             for cache in self.kv_caches:
-                cache[:, dst] = cache[:, src]
+                for s, d in pairs:
+                    cache[:, d].copy_(cache[:, s])
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
 
     def _to_device(self, name: str, values: np.ndarray) -> torch.Tensor:
         """One step input on the model's device: through the pinned staging buffers on CUDA, as is on CPU."""
