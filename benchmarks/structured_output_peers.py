@@ -31,11 +31,12 @@ REPO = HERE.parent
 
 
 def child(args: argparse.Namespace) -> None:
-    """One engine's timed batch; writes {"seconds", "outputs": [[text, n_tokens, finish_reason], ...]} to --out."""
-    sys.path.insert(0, str(HERE))
-    from structured_output import PROMPT, SCHEMAS
+    """One engine's timed batch; writes {"seconds", "outputs": [[text, n_tokens, finish_reason], ...]} to --out.
+    NOTE: the schemas come in a file (--workload): vLLM's venv has no engine_core for structured_output.py."""
+    workload = json.loads(Path(args.workload).read_text())
+    prompt, schemas = workload["prompt"], workload["schemas"]
 
-    prompts = [PROMPT + f"Item {i}:" for i in range(args.num_requests)]
+    prompts = [prompt + f"Item {i}:" for i in range(args.num_requests)]
     if args.child == "pagoda":
         from engine_core import LLM, SamplingParams, StructuredOutputsParams
 
@@ -51,7 +52,7 @@ def child(args: argparse.Namespace) -> None:
             temperature=0.7,
             seed=i,
             max_tokens=args.max_tokens,
-            structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]),
+            structured_outputs=StructuredOutputsParams(json=schemas[i % len(schemas)]),
         )
         for i in range(len(prompts))
     ]
@@ -74,6 +75,7 @@ def run_engine(engine: str, args: argparse.Namespace, out: Path) -> dict:
         env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2", LD_PRELOAD=gomp[0] if gomp else "")
     cmd = [python, str(Path(__file__).resolve()), "--child", engine, "--model", model, "--out", str(out)]
     cmd += ["--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens)]
+    cmd += ["--workload", str(out.parent / "workload.json")]
     subprocess.run(cmd, env=env, cwd=str(out.parent), check=True, timeout=args.timeout)
     return json.loads(out.read_text())
 
@@ -98,6 +100,7 @@ def main() -> None:
     ap.add_argument("--child", choices=["pagoda", "vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--model", default=None)
     ap.add_argument("--out", default="")
+    ap.add_argument("--workload", default="", help=argparse.SUPPRESS)
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--timeout", type=float, default=3600)
@@ -111,7 +114,7 @@ def main() -> None:
         return
     sys.path.insert(0, str(REPO))
     from peer_model import peer_model_dir
-    from structured_output import SCHEMAS
+    from structured_output import PROMPT, SCHEMAS
 
     from engine_core.checkpoint.model_files import resolve_model_dir
     from engine_core.config import default_cache_dir
@@ -124,6 +127,7 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.1f}", flush=True)
     rates = {}
     with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "workload.json").write_text(json.dumps({"prompt": PROMPT, "schemas": SCHEMAS}))
         for engine in engines:
             try:
                 res = run_engine(engine, args, Path(tmp) / f"{engine}.json")
