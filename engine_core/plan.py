@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output.params import StructuredOutputsParams
 
 if TYPE_CHECKING:
     import numpy as np
@@ -57,6 +58,15 @@ class BeamDelta:
 
 
 @dataclass
+class GrammarRequest:
+    """A request's constraint for the worker to compile off its step thread (core/grammar_gate.py); the request
+    waits in the scheduler until the worker reports it in `ModelRunnerOutput.grammar_results`."""
+
+    request_id: str
+    params: StructuredOutputsParams
+
+
+@dataclass
 class SchedulerOutput:
     """One step's plan. `num_scheduled_tokens` orders the batch: the worker runs sequences in this order."""
 
@@ -74,6 +84,8 @@ class SchedulerOutput:
     # Beam search: rows re-parented since the last step, applied before `finished_seq_ids` (a parent may leave in
     # the same plan its child forks from it).
     beam_deltas: list[BeamDelta] = field(default_factory=list)
+    # Structured output: constraints to compile in the background, for requests held until they are ready.
+    grammars: list[GrammarRequest] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -120,3 +132,5 @@ class ModelRunnerOutput:
     # Speculative decoding (draft_model): seq_id -> the draft model's proposal for the sequence's next step, made
     # after this step's tokens; the scheduler schedules it as `scheduled_spec_decode_tokens` (or a prefix of it).
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # Compiles of `SchedulerOutput.grammars` finished since the last step: request_id -> "" (ready) or why not.
+    grammar_results: dict[str, str] = field(default_factory=dict)

@@ -27,3 +27,8 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # Beam search (vLLM has no such metrics): searches added, beams forked and pruned since start; beams live now.
+    beam_search_requests: int = 0
+    beam_search_beams_forked: int = 0
+    beam_search_beams_pruned: int = 0
+    beam_search_live_beams: int = 0

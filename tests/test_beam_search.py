@@ -115,11 +115,14 @@ def test_beams_share_blocks_and_pruned_beams_free_theirs(tiny_dir: Path) -> None
         "0", prompt, BeamSearchParams(beam_width=8, max_tokens=16, ignore_eos=True), 2, 128, 64
     )
     core.add_request(request, group)
-    peak_shared = peak_unshared = 0
+    peak_shared = peak_unshared = peak_live = 0
     while core.has_unfinished:
         core.step()
         running = [s for s in core.scheduler.running if not s.is_finished]
-        used = BLOCKS - core.stats().free_blocks
+        stats = core.stats()
+        peak_live = max(peak_live, stats.beam_search_live_beams)
+        assert stats.beam_search_requests == 1 and stats.beam_search_live_beams <= 8
+        used = BLOCKS - stats.free_blocks
         # Without sharing each beam would hold a block table of its own.
         unshared = sum(-(-s.num_tokens // 4) for s in running)
         peak_shared, peak_unshared = max(peak_shared, used), max(peak_unshared, unshared)
@@ -128,7 +131,15 @@ def test_beams_share_blocks_and_pruned_beams_free_theirs(tiny_dir: Path) -> None
     assert counts is not None and counts.width == 8 and counts.steps == 16
     assert counts.forked >= 7 and counts.pruned > 0 and group.peak_live == 8
     assert peak_shared < 0.6 * peak_unshared, (peak_shared, peak_unshared)
-    assert core.stats().free_blocks == BLOCKS
+    stats = core.stats()
+    assert stats.free_blocks == BLOCKS
+    # the metrics' counters (pagoda:beam_search_*) are the span's counts, kept once the group is gone
+    assert peak_live == 8 and stats.beam_search_live_beams == 0
+    assert (stats.beam_search_requests, stats.beam_search_beams_forked, stats.beam_search_beams_pruned) == (
+        1,
+        counts.forked,
+        counts.pruned,
+    )
 
 
 def test_abort_ends_the_group_and_frees_every_block(tiny_dir: Path) -> None:
@@ -145,6 +156,11 @@ def test_abort_ends_the_group_and_frees_every_block(tiny_dir: Path) -> None:
     core.step()  # the worker forgets the rows
     assert core.stats().free_blocks == BLOCKS and not core.has_unfinished
     assert len(core.scheduler.beam_groups) == 0
+    # the group is gone, its counts stay in the metrics' totals
+    counts, stats = request.timings.beam, core.stats()
+    assert counts is not None and counts.forked > 0
+    assert (stats.beam_search_requests, stats.beam_search_beams_forked) == (1, counts.forked)
+    assert stats.beam_search_live_beams == 0
 
 
 def test_a_beam_search_that_cannot_fit_the_pool_is_refused_before_work(tiny_dir: Path) -> None:

@@ -15,9 +15,11 @@ until it is back; a beam that reported waits with nothing to schedule (its row h
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from engine_core.core.beam_scorer import BeamScorer, Hypothesis
+from engine_core.core.beam_stop import BeamStopStrings
 from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.core.request import BeamCounts, FinishReason, Request, Sequence, SequenceStatus
 from engine_core.plan import BeamDelta
@@ -25,6 +27,20 @@ from engine_core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_core.plan import LogprobsTensors
+
+
+@dataclass
+class BeamTotals:
+    """The work of the beam searches that ended, for metrics (the live groups' counts are added when read)."""
+
+    searches: int = 0
+    forked: int = 0
+    pruned: int = 0
+
+    def add(self, counts: BeamCounts) -> None:
+        self.searches += 1
+        self.forked += counts.forked
+        self.pruned += counts.pruned
 
 
 class BeamHost(Protocol):
@@ -52,11 +68,14 @@ class BeamGroup:
         early_stopping: bool | str,
         stop_token_ids: set[int],
         max_new_tokens: int,
+        stop_strings: BeamStopStrings | None = None,
     ) -> None:
         self.row_params = row_params  # what each beam runs with (greedy, num_beam_candidates logprobs)
         self.beam_width = beam_width
         self.num_returned = num_returned
-        self.scorer = BeamScorer(beam_width, length_penalty, early_stopping, stop_token_ids, max_new_tokens)
+        self.scorer = BeamScorer(
+            beam_width, length_penalty, early_stopping, stop_token_ids, max_new_tokens, stop_strings
+        )
         self.request: Request | None = None
         self.live: list[Sequence] = []  # in the scorer's running order
         self._rows: dict[int, list[tuple[int, float]]] = {}  # seq_id -> its reported candidates
@@ -145,6 +164,11 @@ class BeamGroup:
         else:
             host.waiting.append(child)  # no block for its copy, or a preempted parent: recomputes
         return child
+
+    @property
+    def num_live(self) -> int:
+        """Beams still searching (0 once the search ended)."""
+        return 0 if self.done else sum(1 for s in self.live if not s.is_finished)
 
     def drain(self) -> tuple[list[BeamDelta], list[tuple[int, int]]]:
         deltas, copies = self.deltas, self.copies

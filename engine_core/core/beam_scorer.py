@@ -4,7 +4,8 @@ Pure Python over each running beam's top candidates (token, logprob), so it runs
 torch. Each step:
   1. every candidate's cumulative logprob = its beam's + its logprob (float32, as transformers adds them);
   2. the best K = max(2, 1 + stop tokens) x beam_width candidates over all beams, best first;
-  3. running next: the best beam_width of those that do not stop (a stop token, or the length limit);
+  3. running next: the best beam_width of those that do not stop (a stop token, a `stop` string its text completes
+     (core/beam_stop.py; transformers' beam search has no per-beam stop strings), or the length limit);
   4. finished: the stopping ones among the best beam_width, scored cum_logprob / generated_len ** length_penalty
      (generated_len counts the stop token), kept if they rank among the beam_width best hypotheses;
   5. the search ends when every candidate stops (length limit), when early_stopping is True and beam_width
@@ -18,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from engine_core.core.beam_stop import BeamStopStrings
 
 # transformers' stand-in for "minus infinity" in its score tensors.
 _NEG = np.float32(-1.0e9)
@@ -35,7 +38,8 @@ class Hypothesis:
     output_token_ids: list[int]  # generated tokens, the stop token included
     cum_logprob: float
     score: float
-    stopped: bool  # ended on a stop token (else on the length limit)
+    stopped: bool  # ended on a stop token or a stop string (else on the length limit)
+    stop_string: str | None = None  # the `stop` string its text completed
 
 
 @dataclass
@@ -53,8 +57,10 @@ class BeamScorer:
         early_stopping: bool | str,
         stop_token_ids: set[int],
         max_new_tokens: int,
+        stop_strings: BeamStopStrings | None = None,
     ) -> None:
         self.beam_width = beam_width
+        self.stop_strings = stop_strings
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
         self.stop_token_ids = stop_token_ids
@@ -82,17 +88,20 @@ class BeamScorer:
         ]
         cands.sort(key=lambda c: (-float(c.cum_logprob), c.beam, c.token))
         cands = cands[: self.num_candidates]
-        stops = [at_limit or c.token in self.stop_token_ids for c in cands]
+        strings = self._stop_strings(cands, outputs)
+        stops = [
+            at_limit or c.token in self.stop_token_ids or s is not None for c, s in zip(cands, strings, strict=True)
+        ]
         gen_len = len(outputs[0]) + 1
 
         added = 0
         if self._improvable and not (self._full and self.early_stopping is True):
-            for c, stop in zip(cands[: self.beam_width], stops, strict=False):
+            for c, stop, string in zip(cands[: self.beam_width], stops, strings, strict=False):
                 if stop:
                     score = self._normalise(c.cum_logprob, gen_len)
-                    stopped = c.token in self.stop_token_ids
+                    stopped = c.token in self.stop_token_ids or string is not None
                     tokens = [*outputs[c.beam], c.token]
-                    self.hypotheses.append(Hypothesis(tokens, float(c.cum_logprob), float(score), stopped))
+                    self.hypotheses.append(Hypothesis(tokens, float(c.cum_logprob), float(score), stopped, string))
                     added += 1
             # NOTE: a stable sort keeps earlier hypotheses ahead of equal-scored new ones.
             self.hypotheses.sort(key=lambda h: -h.score)
@@ -110,3 +119,10 @@ class BeamScorer:
             self._improvable = bool(best_possible > worst)
         done = not self._improvable or (self._full and self.early_stopping is True)
         return BeamStep([] if done else survivors, done, added)
+
+    def _stop_strings(self, cands: list[Candidate], outputs: list[list[int]]) -> list[str | None]:
+        """Per candidate, the stop string its text completes (a stop token takes precedence, as in `_check_stop`)."""
+        matcher = self.stop_strings
+        if matcher is None:
+            return [None] * len(cands)
+        return [None if c.token in self.stop_token_ids else matcher.match(outputs[c.beam], c.token) for c in cands]

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_core.config import EngineConfig
-from engine_core.core.beam_group import BeamGroup
+from engine_core.core.beam_group import BeamGroup, BeamTotals
+from engine_core.core.grammar_gate import GrammarGate
 from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.core.request import FinishReason, LifecycleEvent, LifecycleKind, Request, Sequence, SequenceStatus
 from engine_core.core.request_limits import RequestLimits
@@ -52,7 +53,9 @@ class Scheduler:
         self._to_drop: list[int] = []  # finished/preempted since the last step: the worker forgets them
         self.num_preemptions = 0
         self.beam_groups: dict[str, BeamGroup] = {}  # request_id -> its group, for beam search requests
+        self.beam_totals = BeamTotals()  # of the groups that ended, for metrics
         self.finished_beams: list[BeamGroup] = []  # ended in `update`: the engine reports their hypotheses
+        self.grammar_gate = GrammarGate()  # structured-output requests waiting for their grammar, outside `waiting`
         key: Callable[[Sequence], tuple] = (
             (lambda s: s.sort_key) if config.scheduling_policy == "priority" else (lambda s: s.sort_key[1:])
         )
@@ -77,13 +80,16 @@ class Scheduler:
         self.requests[request.request_id] = request
         # A one-token prompt has nothing to share: its n choices start independently.
         count = n if (n > 1 and n_prompt == 1) else 1
+        seqs = []
         for index in range(count):
             seq = self._new_seq(request, index, list(request.prompt_token_ids))
             seq.pending_fork = n > 1 and count == 1
-            self.waiting.append(seq)
+            seqs.append(seq)
             if beam is not None:
                 beam.start(request, seq)
                 self.beam_groups[request.request_id] = beam
+        if not self.grammar_gate.hold(request, seqs):
+            self.waiting += seqs
 
     def readmit_request(self, request: Request) -> None:
         """Takes over a request that was running on another scheduler (its workers failed): each unfinished choice
@@ -152,6 +158,8 @@ class Scheduler:
         if request.finished:
             request.timings.finished = time.monotonic()
             self.requests.pop(request.request_id, None)
+            if self.grammar_gate.held:
+                self.grammar_gate.release(request.request_id)
             for s in request.seqs:
                 self.seqs.pop(s.seq_id, None)
 
@@ -162,7 +170,7 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.grammar_gate.held)
 
     # ---- scheduling -----------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -377,6 +385,7 @@ class Scheduler:
         if self.beam_groups:
             self._drain_beams(out)
         out.finished_seq_ids, self._to_drop = self._to_drop, []
+        out.grammars = self.grammar_gate.drain()
         # NOTE: batch order = running order, so decodes and prefills interleave; the runner regroups them.
         stepped: set[str] = set()  # requests counted in this step (a request's n choices are one step)
         for seq in self.running:
@@ -425,6 +434,7 @@ class Scheduler:
             out.copy_blocks += copies
             if request_id not in self.requests:  # ended (search done, aborted or failed)
                 del self.beam_groups[request_id]
+                self.beam_totals.add(group.counts)
 
     # ---- results ----------------------------------------------------------------------------------------------
     def update(self, runner_out: ModelRunnerOutput) -> list[SequenceUpdate]:
@@ -475,7 +485,19 @@ class Scheduler:
             for group in list(self.beam_groups.values()):
                 if group.ready and group.advance(self):
                     self.finished_beams.append(group)
+        if self.grammar_gate.held:
+            self._settle_grammars(runner_out.grammar_results, updates)
         return updates
+
+    def _settle_grammars(self, results: dict[str, str], updates: list[SequenceUpdate]) -> None:
+        """Queues the requests whose grammar the worker compiled; fails, alone, those whose compile failed or
+        outlasted the gate's deadline."""
+        gate = self.grammar_gate.settle(results)
+        self.waiting += gate.ready
+        for request, error in gate.failed:
+            for seq in request.seqs:
+                updates.append(SequenceUpdate(seq, [], 0, error))
+                self.finish_seq(seq, FinishReason.ERROR)
 
     def _settle_drafts(self, seq: Sequence, num_accepted: int) -> None:
         """A verification came back: the rejected drafts' positions are no longer computed (their KV slots are

@@ -51,7 +51,11 @@ def beam_outputs(group: BeamGroup) -> list[SeqOutput]:
     for index, hyp in enumerate(group.results()):
         reason = FinishReason.STOP_TOKEN if hyp.stopped else FinishReason.LENGTH
         eos = group.request.sampling_params.eos_token_id
-        stop_reason = hyp.output_token_ids[-1] if hyp.stopped and hyp.output_token_ids[-1] != eos else None
+        stop_reason: int | str | None = None
+        if hyp.stop_string is not None:
+            reason, stop_reason = FinishReason.STOP_STRING, hyp.stop_string
+        elif hyp.stopped and hyp.output_token_ids[-1] != eos:
+            stop_reason = hyp.output_token_ids[-1]
         outputs.append(
             SeqOutput(
                 group.request.request_id,

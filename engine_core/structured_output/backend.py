@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
 
 from engine_core.structured_output.params import StructuredOutputsParams
+
+# Compiled grammars a backend keeps (and the scheduler's gate remembers as compiled: core/grammar_gate.py).
+GRAMMAR_CACHE_SIZE = 256
 
 
 class StructuredOutputError(Exception):
@@ -44,9 +48,15 @@ class GrammarMatcher(ABC):
 
 class StructuredOutputBackend(ABC):
     @abstractmethod
+    def prepare(self, params: StructuredOutputsParams) -> Future[None]:
+        """Compiles the constraint off the caller's thread into the cache (done at once on a hit); the future
+        raises StructuredOutputError when it does not compile."""
+
+    @abstractmethod
     def matcher(self, params: StructuredOutputsParams) -> GrammarMatcher:
-        """A fresh matcher at the start of the constraint (compiled grammars cached by `params.key`). Raises
-        StructuredOutputError when the constraint does not compile."""
+        """A fresh matcher at the start of the constraint (compiled grammars cached by `params.key`; one being
+        prepared is waited for, one never prepared compiled here). Raises StructuredOutputError when the constraint
+        does not compile."""
 
     @abstractmethod
     def fill_masks(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:

@@ -11,7 +11,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import llguidance
@@ -19,6 +19,7 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 
 from engine_core.structured_output.backend import (
+    GRAMMAR_CACHE_SIZE,
     GrammarCompile,
     GrammarMatcher,
     StructuredOutputBackend,
@@ -26,9 +27,6 @@ from engine_core.structured_output.backend import (
 )
 from engine_core.structured_output.grammar import field_name, parser_limits, to_grammar
 from engine_core.structured_output.params import StructuredOutputsParams
-
-# Compiled grammars kept (a template matcher each, deep-copied per sequence).
-GRAMMAR_CACHE_SIZE = 256
 
 
 class GuidanceMatcher(GrammarMatcher):
@@ -50,10 +48,14 @@ class GuidanceBackend(StructuredOutputBackend):
         eos_token_id: int | None,
         on_compile: Callable[[GrammarCompile], None] | None = None,
     ) -> None:
-        """`on_compile` is told about every matcher made (metrics, the step's span); it runs on the step's thread."""
+        """`on_compile` is told about every grammar compiled (on the compile thread, or the step's on a fallback)
+        and every matcher copied from the cache (the step's thread): metrics and spans."""
         self.vocab_size = vocab_size
         self._tokenizer: Future[llguidance.LLTokenizer] = Future()
-        self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()
+        self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()  # key -> template, copied per sequence
+        self._compiling: dict[tuple, Future[None]] = {}  # key -> its compile on the compile thread
+        self._lock = threading.Lock()  # the cache and `_compiling`: the step's and the compile thread share them
+        self._compiler: ThreadPoolExecutor | None = None  # made on first use
         self._executor = llguidance.LLExecutor()
         self.on_compile = on_compile
 
@@ -66,12 +68,49 @@ class GuidanceBackend(StructuredOutputBackend):
 
         threading.Thread(target=load, name="llguidance-tokenizer", daemon=True).start()
 
+    def prepare(self, params: StructuredOutputsParams) -> Future[None]:
+        key = params.key
+        with self._lock:
+            if key in self._cache:
+                done: Future[None] = Future()
+                done.set_result(None)
+                return done
+            future = self._compiling.get(key)
+            if future is None:
+                if self._compiler is None:
+                    # NOTE: one thread: compiles queue behind each other, never beside the step's Python for more
+                    # than the GIL's share; llguidance's own work bounds each (grammar.LIMITS).
+                    self._compiler = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+                future = self._compiler.submit(self._compile, params)
+                self._compiling[key] = future
+            return future
+
     def matcher(self, params: StructuredOutputsParams) -> GuidanceMatcher:
         t0 = time.perf_counter()
         key = params.key
-        template = self._cache.get(key)
-        hit = template is not None
-        if template is None:
+        with self._lock:
+            template = self._cache.get(key)
+            if template is not None:
+                self._cache.move_to_end(key)
+            future = self._compiling.get(key)
+        if template is not None:
+            matcher = GuidanceMatcher(template.deep_copy())
+            if self.on_compile is not None:
+                self.on_compile(GrammarCompile(params.kind.value, time.perf_counter() - t0, True, t0))
+            return matcher
+        if future is not None:
+            future.result()  # raises the compile's StructuredOutputError
+            with self._lock:
+                template = self._cache.get(key)
+        if template is None:  # never prepared (the scheduler's gate was skipped), or evicted since
+            template = self._compile(params)
+        return GuidanceMatcher(template.deep_copy())
+
+    def _compile(self, params: StructuredOutputsParams) -> llguidance.LLMatcher:
+        """Compiles the constraint into the cache (its template matcher); StructuredOutputError when it does not."""
+        t0 = time.perf_counter()
+        key = params.key
+        try:
             try:
                 tokenizer = self._tokenizer.result()
             except Exception as e:
@@ -83,15 +122,16 @@ class GuidanceBackend(StructuredOutputBackend):
             template = llguidance.LLMatcher(tokenizer, grammar, limits=parser_limits())
             if template.is_error():
                 raise StructuredOutputError(f"{field_name(params)} is invalid: {template.get_error()}")
-            self._cache[key] = template
-            if len(self._cache) > GRAMMAR_CACHE_SIZE:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
-        matcher = GuidanceMatcher(template.deep_copy())
+            with self._lock:
+                self._cache[key] = template
+                if len(self._cache) > GRAMMAR_CACHE_SIZE:
+                    self._cache.popitem(last=False)
+        finally:
+            with self._lock:
+                self._compiling.pop(key, None)
         if self.on_compile is not None:
-            self.on_compile(GrammarCompile(params.kind.value, time.perf_counter() - t0, hit, t0))
-        return matcher
+            self.on_compile(GrammarCompile(params.kind.value, time.perf_counter() - t0, False, t0))
+        return template
 
     def fill_masks(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         pairs = [(m.ll, row) for m, row in matchers if isinstance(m, GuidanceMatcher)]

@@ -48,6 +48,7 @@ from engine_core.worker.host_memory import zeroed_host_tensor
 from engine_core.worker.input_batch import InputBatch, StepInputs
 from engine_core.worker.kv_prefault import KvPrefaulter
 from engine_core.worker.mixed_graphs import CudaGraphMixedStep, token_buckets
+from engine_core.worker.pending_grammars import IDLE_WAIT_S, PendingGrammars
 from engine_core.worker.spec_verify import Verification, advance_verified, write_drafts
 from engine_core.worker.step_functions import StepFunction, pick_step_function
 from engine_core.worker.step_sampling import StepSample, batch_metadata, sample_step
@@ -236,6 +237,7 @@ class ModelRunner:
             self.info.vocab_size, self.device, max_rows, seed=self.config.seed, grammar_backend=self.grammar_backend
         )
         self._prompt_logprob_seqs: set[int] = set()
+        self.grammars = PendingGrammars(self.grammar_backend)  # compiles the scheduler's gate waits for
 
     def _cuda_graph_step(self, num_kv_heads: int) -> CudaGraphDecodeStep:
         triton_kernels = importlib.import_module("kernels.triton")  # NOTE: CUDA only; the CPU engine imports no Triton
@@ -335,11 +337,16 @@ class ModelRunner:
         prefaulter = self._prefaulter
         if prefaulter is not None:
             prefaulter.pause()
+        grammars = self.grammars
+        if plan.grammars:
+            grammars.submit(plan.grammars)  # NOTE: compiled on the backend's thread while this step runs
         try:
             out = self._execute(plan, timings)
         finally:
             if prefaulter is not None:
                 prefaulter.resume()
+        if grammars:
+            out.grammar_results = grammars.poll(IDLE_WAIT_S if plan.is_empty else 0.0)
         timings.end = time.perf_counter()
         if self.tp.size > 1:
             timings.collective_s = collectives.CLOCK.take()
@@ -470,10 +477,22 @@ class ModelRunner:
         for cached in plan.cached_seqs:
             self.batch.append_blocks(cached.seq_id, cached.new_block_ids)
         if plan.copy_blocks:
-            src = torch.tensor([s for s, _ in plan.copy_blocks], device=self.device)
-            dst = torch.tensor([d for _, d in plan.copy_blocks], device=self.device)
+            self._copy_blocks(plan.copy_blocks)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of forked partial blocks (n > 1, beam search), before the forward pass."""
+        if self.device.type == "cpu":
+            # NOTE: one block slice per pair: advanced indexing of the [2, blocks, ...] views (cache[:, dst] =
+            # cache[:, src]) took 10-30x as long on CPU (48 pairs x 30 layers: 0.5-2.2 s against 50-75 ms), and a
+            # beam-search step forks that many (docs/benchmarks.md, "Beam search").
             for cache in self.kv_caches:
-                cache[:, dst] = cache[:, src]
+                for s, d in pairs:
+                    cache[:, d].copy_(cache[:, s])
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
 
     def _to_device(self, name: str, values: np.ndarray) -> torch.Tensor:
         """One step input on the model's device: through the pinned staging buffers on CUDA, as is on CPU."""

@@ -148,3 +148,10 @@ class EngineStatsCollector(Collector):
         for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
             per_pos.add_metric([*labels, str(position)], value)
         yield per_pos
+        # Beam search (vLLM has none: its LLM.beam_search runs outside its engine).
+        yield counter("beam_search_requests", "Beam searches added.", s.beam_search_requests)
+        yield counter("beam_search_beams_forked", "Beams forked from a parent beam (its KV blocks shared).",
+                      s.beam_search_beams_forked)  # fmt: skip
+        yield counter("beam_search_beams_pruned", "Beams pruned (none of their continuations survived a step).",
+                      s.beam_search_beams_pruned)  # fmt: skip
+        yield gauge("beam_search_live_beams", "Beams searching now, over all beam searches.", s.beam_search_live_beams)

@@ -7,6 +7,7 @@ import numpy as np
 from engine_core.plan import (
     BeamDelta,
     CachedSequenceData,
+    GrammarRequest,
     LogprobsTensors,
     ModelRunnerOutput,
     NewSequenceData,
@@ -14,6 +15,7 @@ from engine_core.plan import (
     SchedulerOutput,
 )
 from services.convert.params import params_from_proto, params_to_proto
+from services.convert.structured_outputs import structured_outputs_from_proto, structured_outputs_to_proto
 from services.rpc import common_pb2, worker_pb2
 
 
@@ -31,6 +33,8 @@ def plan_to_proto(plan: SchedulerOutput, *, epoch: str, step: int) -> worker_pb2
         msg.spec_decode_tokens.add(seq_id=seq_id, token_ids=drafts)
     for d in plan.beam_deltas:
         msg.beam_deltas.add(seq_id=d.seq_id, parent_seq_id=d.parent_seq_id, token=d.token, block_ids=d.block_ids)
+    for g in plan.grammars:
+        structured_outputs_to_proto(g.params, msg.grammars.add(request_id=g.request_id).constraint)
     for new in plan.new_seqs:
         seq = msg.new_seqs.add(
             seq_id=new.seq_id,
@@ -76,6 +80,7 @@ def plan_from_proto(msg: worker_pb2.ExecuteRequest) -> SchedulerOutput:
         copy_blocks=list(zip(msg.copy_src, msg.copy_dst, strict=True)),
         scheduled_spec_decode_tokens={d.seq_id: list(d.token_ids) for d in msg.spec_decode_tokens},
         beam_deltas=[BeamDelta(d.seq_id, d.parent_seq_id, d.token, list(d.block_ids)) for d in msg.beam_deltas],
+        grammars=[GrammarRequest(g.request_id, structured_outputs_from_proto(g.constraint)) for g in msg.grammars],
     )
     plan.total_num_scheduled_tokens = sum(plan.num_scheduled_tokens.values())
     return plan
@@ -107,6 +112,8 @@ def result_to_proto(out: ModelRunnerOutput) -> worker_pb2.ExecuteResponse:
         _matrix_to_proto(plp.tensors, msg.prompt_logprobs.add(seq_id=seq_id, start=plp.start).tensors)
     for seq_id, drafts in out.draft_token_ids.items():
         msg.draft_token_ids.add(seq_id=seq_id, token_ids=drafts)
+    for request_id, error in out.grammar_results.items():
+        msg.grammar_results.add(request_id=request_id, error=error)
     return msg
 
 
@@ -118,4 +125,5 @@ def result_from_proto(msg: worker_pb2.ExecuteResponse) -> ModelRunnerOutput:
         prompt_logprobs={p.seq_id: PromptLogprobs(p.start, _matrix_from_proto(p.tensors)) for p in msg.prompt_logprobs},
         errors=dict(msg.errors),
         draft_token_ids={d.seq_id: list(d.token_ids) for d in msg.draft_token_ids},
+        grammar_results={g.request_id: g.error for g in msg.grammar_results},
     )

@@ -19,6 +19,10 @@ _SUMMED = (
     "running_requests",
     "waiting_requests",
     "prefix_cache_evictions",
+    "beam_search_requests",
+    "beam_search_beams_forked",
+    "beam_search_beams_pruned",
+    "beam_search_live_beams",
 )
 
 

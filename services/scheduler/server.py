@@ -297,6 +297,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             spec_decode_num_draft_tokens=e.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=e.spec_decode_num_accepted_tokens,
             spec_decode_num_accepted_tokens_per_pos=list(e.spec_decode_num_accepted_tokens_per_pos),
+            beam_search_requests=e.beam_search_requests,
+            beam_search_beams_forked=e.beam_search_beams_forked,
+            beam_search_beams_pruned=e.beam_search_beams_pruned,
+            beam_search_live_beams=e.beam_search_live_beams,
         )
 
     async def WatchKvEvents(

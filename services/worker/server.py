@@ -63,14 +63,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.last_step_at = time.monotonic()
         # NOTE: one thread owns the runner: steps are strictly ordered and torch runs outside the event loop.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
-        self._compiles: list[GrammarCompile] = []  # the step's grammar matchers (the step thread's)
+        # Grammars compiled (the compile thread's) and matchers made (the step thread's) since the last step.
+        self._compiles: list[GrammarCompile] = []
 
     def load(self) -> None:
         engine = self.config.engine
         self.model_dir = resolve_model_dir(engine.model, engine.cache_dir)
         self.runner = ModelRunner(engine, self.model_dir, rank=self.config.rank)
         if self.runner.grammar_backend is not None:
-            self.runner.grammar_backend.on_compile = self._compiles.append
+            self.runner.grammar_backend.on_compile = self._on_compile
+
+    def _on_compile(self, event: GrammarCompile) -> None:
+        self._compiles.append(event)
 
     async def Profile(
         self, request: worker_pb2.ProfileRequest, context: grpc.aio.ServicerContext
@@ -197,7 +201,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         resp = result_to_proto(out) if request.return_samples else worker_pb2.ExecuteResponse()
         end = time.perf_counter()
         resp.execute_s = end - t0
-        compiles, self._compiles[:] = list(self._compiles), []
+        compiles, self._compiles = self._compiles, []  # NOTE: a swap: the compile thread may append meanwhile
         if self.metrics is not None:
             self.metrics.observe_step(
                 resp.execute_s,

@@ -12,6 +12,7 @@ from engine_core.core.request import FinishReason
 from engine_core.core.seq_output import SeqOutput, TokenLogprobs, tensor_rows
 from engine_core.plan import (
     CachedSequenceData,
+    GrammarRequest,
     LogprobsTensors,
     ModelRunnerOutput,
     NewSequenceData,
@@ -19,6 +20,7 @@ from engine_core.plan import (
     SchedulerOutput,
 )
 from engine_core.sampling_params import SamplingParams
+from engine_core.structured_output.params import StructuredOutputsParams
 from services.common.flags import add_flag, env_name
 from services.common.trace import TraceContext
 from services.convert.outputs import seq_output_from_proto, seq_output_to_proto
@@ -63,6 +65,7 @@ def test_plan_and_result_round_trip() -> None:
         finished_seq_ids=[0],
         copy_blocks=[(2, 6)],
         scheduled_spec_decode_tokens={1: [7, 8]},  # drafts are verified in one forward (speculative decoding)
+        grammars=[GrammarRequest("g", StructuredOutputsParams(json='{"type": "object"}'))],  # compiled off-step
     )
     msg = plan_to_proto(plan, epoch="e", step=4)
     assert msg.new_seqs[0].trace.traceparent == TRACEPARENT and msg.new_seqs[0].request_id == "r"
@@ -74,7 +77,9 @@ def test_plan_and_result_round_trip() -> None:
     out = ModelRunnerOutput(
         [3, 8], [4, -1], lps, {3: plp}, errors={8: "sampling failed: boom"}, draft_token_ids={3: [5, 6, 7]}
     )
+    out.grammar_results = {"g": "", "h": "structured_outputs.regex is invalid: x"}
     back = result_from_proto(result_to_proto(out))
+    assert back.grammar_results == out.grammar_results
     assert back.seq_ids == [3, 8] and back.sampled_token_ids == [4, -1] and back.errors == {8: "sampling failed: boom"}
     assert back.draft_token_ids == {3: [5, 6, 7]}  # the worker's draft-model proposals
     # The scheduler decodes to numpy (it loads no torch): what its one reader, tensor_rows, takes out is the same.

@@ -67,6 +67,7 @@ def test_engine_stats_collector_exports_the_snapshot_or_nothing() -> None:
         running_requests=2, waiting_requests=3, kv_usage=0.25, prefix_cache_queries=64, prefix_cache_hits=16,
         preemptions=4, prefix_cache_evictions=5, spec_decode_num_drafts=6, spec_decode_num_draft_tokens=20,
         spec_decode_num_accepted_tokens=9, spec_decode_num_accepted_tokens_per_pos=[5, 3, 1, 0],
+        beam_search_requests=2, beam_search_beams_forked=11, beam_search_beams_pruned=7, beam_search_live_beams=4,
     )  # fmt: skip
     s = samples(registry)
     model = (("model_name", MODEL),)
@@ -84,6 +85,10 @@ def test_engine_stats_collector_exports_the_snapshot_or_nothing() -> None:
         p: s[("pagoda:spec_decode_num_accepted_tokens_per_pos_total", (*model, ("position", p)))] for p in "0123"
     }
     assert per_pos == {"0": 5, "1": 3, "2": 1, "3": 0}
+    assert s[("pagoda:beam_search_requests_total", model)] == 2
+    assert s[("pagoda:beam_search_beams_forked_total", model)] == 11
+    assert s[("pagoda:beam_search_beams_pruned_total", model)] == 7
+    assert s[("pagoda:beam_search_live_beams", model)] == 4
 
 
 def test_every_service_registry_has_the_process_collectors() -> None:
