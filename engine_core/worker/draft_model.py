@@ -20,7 +20,7 @@ from engine_core.model.layers.selector import select_linear_method
 from engine_core.model.llama import model_class
 from engine_core.model.loader import architecture, iter_weights, load_config
 from engine_core.model.native_decode import NativeDecodeStep
-from engine_core.worker.host_memory import zeroed_host_tensor
+from engine_core.worker.paged_kv_cache import PagedKvCache
 from engine_core.worker.step_functions import StepFunction
 from kernels import cpu as cpu_kernels
 
@@ -78,21 +78,15 @@ class DraftModel:
         if can_pack(self.device, dtype) and cpu_kernels.available() and self.backend.name == "cpu":
             self.decode_step = NativeDecodeStep(self.model)
         self.model.rotary.to(torch.float32)
-        elt = torch.tensor([], dtype=dtype).element_size()
-        self.block_bytes = 2 * config.block_size * self.num_kv_heads * self.head_dim * elt * self.num_layers
-        self.kv_caches: list[torch.Tensor] = []
-        self._kv_whole: torch.Tensor | None = None
+        self.kv = PagedKvCache(self.num_layers, config.block_size, self.num_kv_heads, self.head_dim, dtype, self.device)
+        self.block_bytes = self.kv.block_bytes
         self.num_blocks = 0  # the pool's blocks; scratch blocks follow them
 
-    def init_kv_cache(self, num_blocks: int, scratch: int, setting: str) -> None:
-        shape = (2, num_blocks + scratch, self.block_size, self.num_kv_heads, self.head_dim)
-        if self.device.type == "cpu":
-            self._kv_whole = zeroed_host_tensor((self.num_layers, *shape), self.dtype, setting)
-            self.kv_caches = list(self._kv_whole.unbind(0))
-        else:
-            self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        self.num_blocks = num_blocks
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.kv.layers
 
-    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+    def init_kv_cache(self, num_blocks: int, scratch: int, setting: str) -> None:
+        # NOTE: no prefault thread beside the target's: its pages fault in as the draft proposes.
+        self.kv.allocate(num_blocks + scratch, setting, prefault=False)
+        self.num_blocks = num_blocks

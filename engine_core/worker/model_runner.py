@@ -6,11 +6,8 @@ plan's deltas alone, so the scheduler never sends token ids for decode steps.
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import structlog
@@ -23,8 +20,6 @@ from engine_core.checkpoint.model_files import resolve_model_dir
 from engine_core.config import EngineConfig
 from engine_core.distributed import collectives
 from engine_core.distributed.parallel_state import TensorParallel, kv_heads_per_rank
-from engine_core.host_cpus import usable_cpus
-from engine_core.model.layers.cpu_bfloat16 import cpu_bf16_gemms
 from engine_core.model.layers.cpu_gemm_rows import CpuGemmRows, can_pack
 from engine_core.model.layers.layer_ops import select_layer_ops
 from engine_core.model.layers.linear import process_linear_weights
@@ -39,15 +34,23 @@ from engine_core.sample.sampling_batch import SamplingBatch
 from engine_core.step_timings import StepTimings
 from engine_core.structured_output.guidance import backend_for_model
 from engine_core.worker.beam_rows import apply_beam_deltas
-from engine_core.worker.cuda_graphs import CudaGraphDecodeStep, capture_sizes
+from engine_core.worker.cuda_graphs import CudaGraphDecodeStep
 from engine_core.worker.device_inputs import DeviceInputs, step_input_specs
 from engine_core.worker.draft_model import DraftModel
 from engine_core.worker.draft_runner import DraftRunner
 from engine_core.worker.driver_sampling import sample_on_driver
-from engine_core.worker.host_memory import zeroed_host_tensor
+from engine_core.worker.graph_steps import cuda_graph_steps
 from engine_core.worker.input_batch import InputBatch, StepInputs
-from engine_core.worker.kv_prefault import KvPrefaulter
-from engine_core.worker.mixed_graphs import CudaGraphMixedStep, token_buckets
+from engine_core.worker.mixed_graphs import CudaGraphMixedStep
+from engine_core.worker.model_setup import (
+    GIB,
+    ModelInfo,
+    dtype_name,
+    resolve_max_model_len,
+    runner_dtypes,
+    set_cpu_threads,
+)
+from engine_core.worker.paged_kv_cache import PagedKvCache
 from engine_core.worker.pending_grammars import IDLE_WAIT_S, PendingGrammars
 from engine_core.worker.spec_verify import Verification, advance_verified, write_drafts
 from engine_core.worker.step_functions import StepFunction, pick_step_function
@@ -63,38 +66,6 @@ configure_triton_interpret(strict=False)
 
 log = structlog.get_logger(__name__)
 
-GIB = 1 << 30
-
-
-@dataclass
-class ModelInfo:
-    """What the scheduler and the frontend need to know about the loaded model."""
-
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_bytes: int  # bytes one KV block takes across all layers
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def resolve_max_model_len(config: EngineConfig, hf_config: object) -> int:
-    limit = int(getattr(hf_config, "max_position_embeddings", 8192))
-    # NOTE: no sliding-window attention: a window caps the context we can serve exactly.
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        limit = min(limit, int(window))
-    if config.max_model_len is None:
-        return min(limit, 8192)
-    if config.max_model_len > limit:
-        raise ValueError(f"max_model_len ({config.max_model_len}) exceeds the model's limit ({limit})")
-    return config.max_model_len
-
 
 class ModelRunner:
     def __init__(
@@ -107,21 +78,9 @@ class ModelRunner:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None and self.tp.size > 1:
             self.device = torch.device("cuda", rank)  # NOTE: one GPU per rank, as NCCL needs
-        self.dtype = DTYPES[config.resolved_dtype]  # of the activations and the non-GEMM weights
-        self.gemm_dtype = self.dtype  # of the linears' weights
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            # NOTE: bf16 on CPU is bf16 weights in oneDNN's GEMMs, activations float32 (model/layers/cpu_bfloat16.py);
-            # a CPU without AVX-512 BF16 / AMX runs float32 (logged).
-            self.dtype = torch.float32
-            self.gemm_dtype = torch.bfloat16 if cpu_bf16_gemms() else torch.float32
+        self.dtype, self.gemm_dtype = runner_dtypes(config, self.device)
         if self.device.type == "cpu":
-            # NOTE: by default torch's team, no larger than a container's CPU limit (host_cpus.py); a team size the
-            # user chose (num_threads, OMP_NUM_THREADS) is kept
-            threads = config.num_threads or torch.get_num_threads()
-            if not config.num_threads and "OMP_NUM_THREADS" not in os.environ:
-                threads = max(1, min(threads, usable_cpus() // self.tp.size))  # a rank's share of the cores
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
+            set_cpu_threads(config, self.tp)
         if config.quantization == "gguf" and gguf_file(model_dir) is None:
             raise ValueError(f"quantization='gguf' needs a .gguf model; {config.model or model_dir} has none")
         weight_format = resolve_weight_format(config.quantization, model_dir, self.device)
@@ -145,7 +104,7 @@ class ModelRunner:
         self.backend = backend
         # an unsupported kv_cache_dtype fails here, before the weights load
         self.kv_dtype = DTYPES[
-            config.resolved_kv_cache_dtype(_name(self.dtype), _name(self.gemm_dtype), backend.cache_dtypes)
+            config.resolved_kv_cache_dtype(dtype_name(self.dtype), dtype_name(self.gemm_dtype), backend.cache_dtypes)
         ]
         t0 = time.perf_counter()
         with torch.device(self.device):
@@ -176,11 +135,13 @@ class ModelRunner:
             "model loaded",
             architecture=arch,
             dtype=config.resolved_dtype,
-            kv_cache_dtype=_name(self.kv_dtype),
+            kv_cache_dtype=dtype_name(self.kv_dtype),
             linears=linear_method.name,
             seconds=round(time.perf_counter() - t0, 2),
         )
-        elt = torch.tensor([], dtype=self.kv_dtype).element_size()
+        self.kv = PagedKvCache(
+            hf.num_hidden_layers, config.block_size, num_kv_heads, head_dim, self.kv_dtype, self.device
+        )
         self.info = ModelInfo(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -188,11 +149,8 @@ class ModelRunner:
             num_layers=hf.num_hidden_layers,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            block_bytes=2 * config.block_size * num_kv_heads * head_dim * elt * hf.num_hidden_layers,
+            block_bytes=self.kv.block_bytes,
         )
-        self.kv_caches: list[torch.Tensor] = []
-        self._kv_whole: torch.Tensor | None = None  # CPU: the one mapping under every layer's view
-        self._prefaulter: KvPrefaulter | None = None  # CPU: faults the KV cache in between steps (kv_prefault.py)
         self.sampler = Sampler()
         # NOTE: kept across reset(): the tokenizer (loading in the background from here) and the compiled grammars.
         self.grammar_backend = backend_for_model(model_dir, hf.vocab_size, getattr(hf, "eos_token_id", None))
@@ -209,8 +167,10 @@ class ModelRunner:
             max_tokens = max(config.max_num_batched_tokens, max_rows)
             self._staging = DeviceInputs(self.device, step_input_specs(max_tokens, max_rows, self.max_blocks_per_seq))
             if backend.name == "triton" and not config.enforce_eager:
-                self.decode_step = self._cuda_graph_step(num_kv_heads)
-                self.mixed_step = self._mixed_graph_step(num_kv_heads, max_tokens)
+                self.decode_step, self.mixed_step = cuda_graph_steps(
+                    self.model, self.device, max_rows, max_tokens, self.max_blocks_per_seq, self.max_model_len,
+                    num_kv_heads,
+                )  # fmt: skip
 
     def _load_draft(self) -> DraftRunner | None:
         """speculative_config method draft_model: the draft model and its proposer (draft_runner.py)."""
@@ -239,35 +199,6 @@ class ModelRunner:
         self._prompt_logprob_seqs: set[int] = set()
         self.grammars = PendingGrammars(self.grammar_backend)  # compiles the scheduler's gate waits for
 
-    def _cuda_graph_step(self, num_kv_heads: int) -> CudaGraphDecodeStep:
-        triton_kernels = importlib.import_module("kernels.triton")  # NOTE: CUDA only; the CPU engine imports no Triton
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        max_len = self.max_model_len
-        return CudaGraphDecodeStep(
-            self.model,
-            capture_sizes(self.config.max_num_seqs),
-            self.max_blocks_per_seq,
-            max_len,
-            lambda size: triton_kernels.choose_num_splits(size, num_kv_heads, max_len, sms),
-            self.device,
-        )
-
-    def _mixed_graph_step(self, num_kv_heads: int, max_tokens: int) -> CudaGraphMixedStep:
-        triton_kernels = importlib.import_module("kernels.triton")
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        max_len = self.max_model_len
-        return CudaGraphMixedStep(
-            self.model,
-            token_buckets(max_tokens),
-            self.config.max_num_seqs,
-            self.max_blocks_per_seq,
-            max_len,
-            lambda rows: triton_kernels.choose_num_splits(rows, num_kv_heads, max_len, sms),
-            triton_kernels.prefill_tile_map,
-            triton_kernels.prefill_num_tiles,
-            self.device,
-        )
-
     # ---- KV cache -------------------------------------------------------------------------------------------
     def profile_num_blocks(self) -> int:
         """How many KV blocks fit in the configured budget."""
@@ -284,26 +215,16 @@ class ModelRunner:
             budget -= self.draft.scratch_blocks * self.draft.model.block_bytes
         return max(2, budget // per_block)
 
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.kv.layers
+
     def init_kv_cache(self, num_blocks: int) -> None:
         info = self.info
-        shape = (2, num_blocks, self.config.block_size, info.num_kv_heads, info.head_dim)
-        # NOTE: zeros, not empty: padded block-table entries point at block 0, and garbage there could be NaN. On the
-        # host, one lazily-faulted zero mapping (host_memory.py) instead of torch.zeros writing every byte (~4 s/2 GiB).
-        if self.device.type == "cpu":
-            setting = "num_kv_blocks" if self.config.num_kv_blocks is not None else "kv_cache_memory"
-            whole = zeroed_host_tensor((info.num_layers, *shape), self.kv_dtype, setting)
-            self.kv_caches = list(whole.unbind(0))
-            if self._prefaulter is not None:
-                self._prefaulter.close()
-            self._kv_whole = whole  # the mapping the layers' views share; the prefaulter only refers to it weakly
-            self._prefaulter = KvPrefaulter(whole)  # faults the cache in while no step runs
-            self._prefaulter.start()
-        else:
-            self.kv_caches = [
-                torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(info.num_layers)
-            ]
+        setting = "num_kv_blocks" if self.config.num_kv_blocks is not None else "kv_cache_memory"
+        self.kv.allocate(num_blocks, setting)
         if self.draft is not None:
-            self.draft.init_kv_cache(num_blocks, "num_kv_blocks" if self.config.num_kv_blocks else "kv_cache_memory")
+            self.draft.init_kv_cache(num_blocks, setting)
         tokens = num_blocks * self.config.block_size
         log.info(
             "KV cache allocated",
@@ -334,7 +255,7 @@ class ModelRunner:
         # NOTE: four perf_counter() readings per step (well under a microsecond each) so the worker can show the
         # step's phases; a fresh object per step, so a reader never sees a half-written one.
         timings = self.last_timings = StepTimings(start=time.perf_counter())
-        prefaulter = self._prefaulter
+        prefaulter = self.kv.prefaulter
         if prefaulter is not None:
             prefaulter.pause()
         grammars = self.grammars
@@ -477,22 +398,7 @@ class ModelRunner:
         for cached in plan.cached_seqs:
             self.batch.append_blocks(cached.seq_id, cached.new_block_ids)
         if plan.copy_blocks:
-            self._copy_blocks(plan.copy_blocks)
-
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write of forked partial blocks (n > 1, beam search), before the forward pass."""
-        if self.device.type == "cpu":
-            # NOTE: one block slice per pair: advanced indexing of the [2, blocks, ...] views (cache[:, dst] =
-            # cache[:, src]) took 10-30x as long on CPU (48 pairs x 30 layers: 0.5-2.2 s against 50-75 ms), and a
-            # beam-search step forks that many (docs/benchmarks.md, "Beam search").
-            for cache in self.kv_caches:
-                for s, d in pairs:
-                    cache[:, d].copy_(cache[:, s])
-            return
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+            self.kv.copy_blocks(plan.copy_blocks)
 
     def _to_device(self, name: str, values: np.ndarray) -> torch.Tensor:
         """One step input on the model's device: through the pinned staging buffers on CUDA, as is on CPU."""

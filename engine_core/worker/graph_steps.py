@@ -1,0 +1,44 @@
+"""The CUDA-graph step functions a runner on a GPU uses (Triton backend, not enforce_eager): decode-only steps
+(cuda_graphs.py) and steps with prefill chunks (mixed_graphs.py), with the Triton kernels' split choice per size."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from engine_core.model.llama import LlamaForCausalLM
+from engine_core.worker.cuda_graphs import CudaGraphDecodeStep, capture_sizes
+from engine_core.worker.mixed_graphs import CudaGraphMixedStep, token_buckets
+
+
+def cuda_graph_steps(
+    model: LlamaForCausalLM,
+    device: torch.device,
+    max_num_seqs: int,
+    max_tokens: int,
+    max_blocks_per_seq: int,
+    max_model_len: int,
+    num_kv_heads: int,
+) -> tuple[CudaGraphDecodeStep, CudaGraphMixedStep]:
+    triton_kernels = importlib.import_module("kernels.triton")  # NOTE: CUDA only; the CPU engine imports no Triton
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def num_splits(rows: int) -> int:
+        return triton_kernels.choose_num_splits(rows, num_kv_heads, max_model_len, sms)
+
+    decode = CudaGraphDecodeStep(
+        model, capture_sizes(max_num_seqs), max_blocks_per_seq, max_model_len, num_splits, device
+    )
+    mixed = CudaGraphMixedStep(
+        model,
+        token_buckets(max_tokens),
+        max_num_seqs,
+        max_blocks_per_seq,
+        max_model_len,
+        num_splits,
+        triton_kernels.prefill_tile_map,
+        triton_kernels.prefill_num_tiles,
+        device,
+    )
+    return decode, mixed
