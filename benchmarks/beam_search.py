@@ -44,7 +44,8 @@ def child(args: argparse.Namespace) -> None:
         from vllm import LLM
         from vllm.sampling_params import BeamSearchParams
 
-        llm = LLM(model=args.model, dtype="float32", seed=0)
+        # NOTE: its beam search asks for 2 x beam_width logprobs per step, past vLLM's default max_logprobs (20)
+        llm = LLM(model=args.model, dtype="float32", seed=0, max_logprobs=2 * max(widths))
     inputs = [{"prompt_token_ids": p} for p in prompts]
     llm.beam_search(inputs[:2], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))  # warm-up
     seconds = {}
