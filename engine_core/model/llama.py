@@ -249,10 +249,10 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
             owner = self.get_submodule(target.rpartition(".")[0])
             if isinstance(owner, Linear | VocabParallelEmbedding):  # this rank's slice of the tensor
-                if codes is None:
-                    owner.weight_loader(params[target], tensor, shard)
-                else:
+                if isinstance(owner, Linear):
                     owner.weight_loader(params[target], tensor, shard, codes)
+                else:
+                    owner.weight_loader(params[target], tensor, shard)
             else:
                 params[target].copy_(tensor)
             loaded.add((target, shard))

@@ -65,7 +65,22 @@ def _kill_and_restart_worker(cluster: LocalCluster, traffic: Traffic) -> None:
     time.sleep(1.0)
     cluster.restart("worker0")
     wait_until(lambda: check(cluster.frontend_addr, GENERATION_SERVICE) == SERVING, 300, "serving after the restart")
+    # NOTE: the frontend may still say SERVING before the scheduler has noticed the kill; the outage ends when a
+    # request is served again (the re-formed group's first step), not at the first SERVING after the restart.
+    with GenerationClient(cluster.frontend_addr) as client:
+        wait_until(lambda: _served(client), 300, "a request served after the restart")
     traffic.outage_ends()
+
+
+def _served(client: GenerationClient) -> bool:
+    probe = generation_pb2.GenerateRequest(
+        token_ids=generation_pb2.TokenIds(ids=[1, 2, 3]), sampling=common_pb2.SamplingOptions(max_tokens=1)
+    )
+    try:
+        client.generate(probe)
+    except grpc.RpcError:
+        return False
+    return True
 
 
 def _force_preemption(client: GenerationClient, vocab: int) -> None:

@@ -21,6 +21,7 @@ from torch import nn
 
 from engine_core.distributed import collectives
 from engine_core.distributed.parallel_state import SINGLE, TensorParallel, kv_heads_per_rank
+from engine_core.model.layers.block_codes import BlockCodes
 from engine_core.model.layers.linear import Linear
 
 
@@ -44,9 +45,13 @@ class ColumnParallelLinear(Linear):
         return cls(in_features, [(tp.rank * (n // tp.size), n // tp.size) for n in output_sizes], bias)
 
     @torch.no_grad()
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None, codes: BlockCodes | None = None
+    ) -> None:
+        """`codes` (K-quants) come only unsharded (LlamaForCausalLM.load_weights drops them under TP): the slice is
+        then the whole tensor."""
         start, rows = self.slices[0 if shard is None else shard]
-        super().weight_loader(param, loaded.narrow(0, start, rows), shard)
+        super().weight_loader(param, loaded.narrow(0, start, rows), shard, codes)
 
 
 def qkv_parallel(
@@ -73,9 +78,11 @@ class RowParallelLinear(Linear):
         self.tp = tp
 
     @torch.no_grad()
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None, codes: BlockCodes | None = None
+    ) -> None:
         width = self.in_features
-        super().weight_loader(param, loaded.narrow(1, self.tp.rank * width, width), shard)
+        super().weight_loader(param, loaded.narrow(1, self.tp.rank * width, width), shard, codes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.method.apply(self, x)

@@ -13,6 +13,7 @@ from torch import nn
 
 from engine_core.distributed import collectives
 from engine_core.distributed.parallel_state import TensorParallel
+from engine_core.model.layers.block_codes import BlockCodes
 from engine_core.model.layers.linear import Linear
 
 
@@ -59,7 +60,10 @@ class ParallelLMHead(Linear):
         self.tp, self.vocab_size = tp, vocab_size
 
     @torch.no_grad()
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None, codes: BlockCodes | None = None
+    ) -> None:
+        """`codes` is None here: a vocabulary part is cut from the values (load_weights drops codes under TP)."""
         _load_rows(param, loaded, self.first)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
