@@ -24,7 +24,8 @@ from engine_core.config import EngineConfig
 from engine_core.core.block_pool import KVBlock
 from engine_core.core.prefix_cache import extend_block_hashes
 from engine_core.core.request import FinishReason, Request, SequenceStatus
-from engine_core.core.scheduler import Scheduler, SequenceUpdate
+from engine_core.core.scheduler import Scheduler
+from engine_core.core.step_results import SequenceUpdate
 from engine_core.plan import ModelRunnerOutput, SchedulerOutput
 from engine_core.sampling_params import SamplingParams
 

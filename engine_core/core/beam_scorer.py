@@ -121,7 +121,7 @@ class BeamScorer:
         return BeamStep([] if done else survivors, done, added)
 
     def _stop_strings(self, cands: list[Candidate], outputs: list[list[int]]) -> list[str | None]:
-        """Per candidate, the stop string its text completes (a stop token takes precedence, as in `_check_stop`)."""
+        """Per candidate, the stop string its text completes (a stop token takes precedence, as in `check_stop`)."""
         matcher = self.stop_strings
         if matcher is None:
             return [None] * len(cands)

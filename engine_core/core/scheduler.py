@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from engine_core.config import EngineConfig
 from engine_core.core.beam_group import BeamGroup, BeamTotals
@@ -21,19 +20,11 @@ from engine_core.core.grammar_gate import GrammarGate
 from engine_core.core.kv_cache_manager import KVCacheManager
 from engine_core.core.request import FinishReason, LifecycleEvent, LifecycleKind, Request, Sequence, SequenceStatus
 from engine_core.core.request_limits import RequestLimits
+from engine_core.core.schedule_ahead import plan_ahead
+from engine_core.core.step_results import SequenceUpdate, apply_results
 from engine_core.plan import CachedSequenceData, ModelRunnerOutput, NewSequenceData, SchedulerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.spec_decode.drafter import Drafter
-
-
-@dataclass
-class SequenceUpdate:
-    """What one step did to one sequence: the tokens it sampled (rows `row`.. of ModelRunnerOutput, one per token)."""
-
-    seq: Sequence
-    new_token_ids: list[int]
-    row: int
-    error: str = ""  # the row failed alone (ModelRunnerOutput.errors): the sequence ended with FinishReason.ERROR
 
 
 class Scheduler:
@@ -59,7 +50,7 @@ class Scheduler:
         key: Callable[[Sequence], tuple] = (
             (lambda s: s.sort_key) if config.scheduling_policy == "priority" else (lambda s: s.sort_key[1:])
         )
-        self._key = key
+        self.order_key = key
         spec = config.speculative_config
         self.drafter: Drafter | None = Drafter(spec) if spec is not None else None
 
@@ -181,7 +172,7 @@ class Scheduler:
         preemptions_before = self.num_preemptions
 
         i = 0
-        self.running.sort(key=self._key)
+        self.running.sort(key=self.order_key)
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             if seq.pending_fork and seq.num_computed_tokens >= seq.target_tokens:
@@ -192,7 +183,7 @@ class Scheduler:
                 num_new, ids = self._add_drafts(seq, budget, ids)
             if ids is None:
                 # NOTE: running is sorted, so the victim (lowest priority, then newest) is at or after index i.
-                victim = max(self.running, key=self._key)
+                victim = max(self.running, key=self.order_key)
                 budget += scheduled.pop(victim.seq_id, 0)
                 new_blocks.pop(victim.seq_id, None)
                 self._preempt(victim)
@@ -204,9 +195,9 @@ class Scheduler:
             i += 1
 
         if self.num_preemptions == preemptions_before:
-            budget = self._admit(budget, scheduled, new_blocks)
+            budget = self.admit(budget, scheduled, new_blocks)
 
-        return self._build_output(out, scheduled, new_blocks)
+        return self.build_output(out, scheduled, new_blocks)
 
     def _add_drafts(self, seq: Sequence, budget: int, ids: list[int]) -> tuple[int, list[int]]:
         """Speculative decoding: a decode row that gets drafts verifies them in the same step (1 + k tokens).
@@ -235,60 +226,13 @@ class Scheduler:
         return 1 + len(drafts), ids + more
 
     def schedule_ahead(self) -> SchedulerOutput | None:
-        """The next step's plan while one step is in flight, or None when it needs that step's results first.
+        """The next step's plan while one step is in flight, or None when it needs that step's results first
+        (core/schedule_ahead.py)."""
+        return plan_ahead(self)
 
-        A sequence the step in flight samples decodes that token next; one that certainly finishes with it (max_tokens,
-        max_model_len) is left out, and one that stops on a sampled token computes one step in vain, whose result
-        `update` drops. None (the caller waits, then calls `schedule`) when nothing would run, when a parent must fork
-        (n > 1), or when the pool cannot hold every running sequence's next tokens: a preempted sequence would
-        have to recompute a token nobody knows yet.
-        """
-        if self.beam_groups or any(s.pending_fork for s in self.running):
-            return None  # NOTE: a beam group's next step depends on this step's scores
-        if self.drafter is not None and (
-            self.drafter.active(len(self.running)) or any(s.spec_token_ids for s in self.running)
-        ):
-            # NOTE: drafts are proposed from known tokens and a verification's count of new tokens is unknown until
-            # it returns, so a batch small enough to speculate is scheduled step by step
-            # (docs/architecture.md, "Speculative decoding").
-            return None
-        self.running.sort(key=self._key)
-        budget = self.config.max_num_batched_tokens
-        chosen: list[tuple[Sequence, int]] = []
-        blocks = 0
-        for seq in self.running:
-            if budget <= 0:
-                break
-            num_new = min(seq.target_tokens - seq.num_computed_tokens, budget)
-            if num_new <= 0 or self._finishes_in_flight(seq):
-                continue
-            chosen.append((seq, num_new))
-            blocks += self.kv.blocks_needed(seq, num_new)
-            budget -= num_new
-        if blocks > self.kv.num_free_blocks:
-            return None
-        scheduled: dict[int, int] = {}
-        new_blocks: dict[int, list[int]] = {}
-        for seq, num_new in chosen:
-            ids = self.kv.allocate(seq, num_new)
-            assert ids is not None, "blocks were counted above"
-            scheduled[seq.seq_id], new_blocks[seq.seq_id] = num_new, ids
-        self._admit(budget, scheduled, new_blocks)
-        if not scheduled:
-            return None  # NOTE: before _build_output, which would take the ids the worker must still be told to drop
-        return self._build_output(SchedulerOutput(), scheduled, new_blocks)
-
-    def _finishes_in_flight(self, seq: Sequence) -> bool:
-        """Whether the token a step in flight samples ends the sequence by length, whatever its value."""
-        if not seq.num_pending:
-            return False
-        max_tokens = seq.request.sampling_params.max_tokens
-        if max_tokens is not None and seq.num_output_tokens + seq.num_pending >= max_tokens:
-            return True
-        return seq.num_tokens + seq.num_pending >= self.max_model_len
-
-    def _admit(self, budget: int, scheduled: dict[int, int], new_blocks: dict[int, list[int]]) -> int:
-        self.waiting.sort(key=self._key)
+    def admit(self, budget: int, scheduled: dict[int, int], new_blocks: dict[int, list[int]]) -> int:
+        """Admits waiting sequences in order while the budget, `max_num_seqs` and the pool allow; the budget left."""
+        self.waiting.sort(key=self.order_key)
         # NOTE: a running parent that will fork holds the slots of its n - 1 future siblings too; counting only
         # len(running) let other sequences take them, and the fork then overfilled the worker's batch.
         used = sum(s.request.sampling_params.n if s.pending_fork else 1 for s in self.running)
@@ -343,7 +287,7 @@ class Scheduler:
             needs_copy = parent.num_computed_tokens % self.block_size != 0
             if not needs_copy or self.kv.num_free_blocks >= request.sampling_params.n - 1:
                 break
-            victim = max(self.running, key=self._key)
+            victim = max(self.running, key=self.order_key)
             if victim is parent:
                 break
             scheduled.pop(victim.seq_id, None)  # never scheduled yet: victims sort after the parent
@@ -379,9 +323,10 @@ class Scheduler:
         )
         self.waiting.insert(0, seq)
 
-    def _build_output(
+    def build_output(
         self, out: SchedulerOutput, scheduled: dict[int, int], new_blocks: dict[int, list[int]]
     ) -> SchedulerOutput:
+        """The step's plan from the tokens and blocks scheduled: new sequences in full, known ones as deltas."""
         if self.beam_groups:
             self._drain_beams(out)
         out.finished_seq_ids, self._to_drop = self._to_drop, []
@@ -438,86 +383,6 @@ class Scheduler:
 
     # ---- results ----------------------------------------------------------------------------------------------
     def update(self, runner_out: ModelRunnerOutput) -> list[SequenceUpdate]:
-        """Appends sampled tokens, applies stop tokens and length limits, frees finished sequences."""
-        updates = []
-        now = time.monotonic()
-        seq_ids, sampled = runner_out.seq_ids, runner_out.sampled_token_ids
-        if len(seq_ids) != len(sampled):
-            raise ValueError(f"{len(seq_ids)} seq_ids but {len(sampled)} sampled tokens")
-        row = 0
-        while row < len(seq_ids):
-            seq_id, end = seq_ids[row], row + 1
-            while end < len(seq_ids) and seq_ids[end] == seq_id:
-                end += 1  # a verified sequence's accepted drafts and its own token
-            first, row = row, end
-            seq = self.seqs.get(seq_id)
-            if seq is None or seq.is_finished or seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted or preempted while the step ran, or stopped in the step before
-            seq.num_pending -= 1
-            if seq.spec_token_ids:
-                self._settle_drafts(seq, end - first - 1)
-            error = runner_out.errors.get(seq_id)
-            if error is not None:
-                # NOTE: this sequence alone ends (its blocks freed, the worker told to forget it); the step's other
-                # rows go on. Its request's other choices are ended by the engine (EngineCore.process).
-                updates.append(SequenceUpdate(seq, [], first, error))
-                self.finish_seq(seq, FinishReason.ERROR)
-                continue
-            if self.beam_groups and (group := self.beam_groups.get(seq.request.request_id)) is not None:
-                group.record(seq, runner_out.logprobs, first)  # NOTE: its token comes from the group's step
-                continue
-            if seq.request.timings.first_token is None:
-                seq.request.timings.first_token = now
-            new_tokens: list[int] = []
-            for token in sampled[first:end]:
-                seq.token_ids.append(token)
-                new_tokens.append(token)
-                reason, stop_reason = self._check_stop(seq, token)
-                if reason is not None:
-                    # NOTE: a stop inside an accepted run truncates it: the tokens after it are dropped.
-                    self.finish_seq(seq, reason, stop_reason)
-                    break
-            updates.append(SequenceUpdate(seq, new_tokens, first))
-            if runner_out.draft_token_ids and not seq.is_finished:
-                seq.draft_proposal = runner_out.draft_token_ids.get(seq_id, [])
-                seq.proposal_at = seq.num_tokens
-        if self.beam_groups:
-            for group in list(self.beam_groups.values()):
-                if group.ready and group.advance(self):
-                    self.finished_beams.append(group)
-        if self.grammar_gate.held:
-            self._settle_grammars(runner_out.grammar_results, updates)
-        return updates
-
-    def _settle_grammars(self, results: dict[str, str], updates: list[SequenceUpdate]) -> None:
-        """Queues the requests whose grammar the worker compiled; fails, alone, those whose compile failed or
-        outlasted the gate's deadline."""
-        gate = self.grammar_gate.settle(results)
-        self.waiting += gate.ready
-        for request, error in gate.failed:
-            for seq in request.seqs:
-                updates.append(SequenceUpdate(seq, [], 0, error))
-                self.finish_seq(seq, FinishReason.ERROR)
-
-    def _settle_drafts(self, seq: Sequence, num_accepted: int) -> None:
-        """A verification came back: the rejected drafts' positions are no longer computed (their KV slots are
-        written again by the next step), and the drafter learns how it did."""
-        drafts, seq.spec_token_ids = seq.spec_token_ids, []
-        num_accepted = max(0, min(num_accepted, len(drafts)))
-        seq.num_computed_tokens -= len(drafts) - num_accepted
-        timings = seq.request.timings
-        timings.num_draft_tokens += len(drafts)
-        timings.num_accepted_tokens += num_accepted
-        assert self.drafter is not None
-        self.drafter.record(seq.seq_id, len(drafts), num_accepted)
-
-    def _check_stop(self, seq: Sequence, token: int) -> tuple[FinishReason | None, int | None]:
-        params = seq.request.sampling_params
-        if seq.num_output_tokens >= params.min_tokens and token in params.all_stop_token_ids:
-            # vLLM reports stop_reason None for EOS and the token id for an explicit stop_token_id.
-            return FinishReason.STOP_TOKEN, (None if token == params.eos_token_id else token)
-        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            return FinishReason.LENGTH, None
-        if seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH, None
-        return None, None
+        """Appends sampled tokens, applies stop tokens and length limits, frees finished sequences
+        (core/step_results.py)."""
+        return apply_results(self, runner_out)
