@@ -1,15 +1,21 @@
 """The CUDA-graph step functions a runner on a GPU uses (Triton backend, not enforce_eager): decode-only steps
-(cuda_graphs.py) and steps with prefill chunks (mixed_graphs.py), with the Triton kernels' split choice per size."""
+(cuda_graphs.py) and steps with prefill chunks (mixed_graphs.py), with the Triton kernels' split choice per size;
+their capture once the KV cache is allocated."""
 
 from __future__ import annotations
 
 import importlib
+import time
 
+import structlog
 import torch
 
 from engine_core.model.llama import LlamaForCausalLM
 from engine_core.worker.cuda_graphs import CudaGraphDecodeStep, capture_sizes
 from engine_core.worker.mixed_graphs import CudaGraphMixedStep, token_buckets
+from engine_core.worker.step_functions import StepFunction
+
+log = structlog.get_logger(__name__)
 
 
 def cuda_graph_steps(
@@ -42,3 +48,23 @@ def cuda_graph_steps(
         device,
     )
     return decode, mixed
+
+
+def capture_graphs(
+    decode_step: StepFunction | None, mixed_step: StepFunction | None, kv_caches: list[torch.Tensor]
+) -> None:
+    """Captures the runner's CUDA-graph step functions over its allocated KV cache (others have nothing to capture)."""
+    if isinstance(decode_step, CudaGraphDecodeStep):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            decode_step.capture(kv_caches)
+        log.info("CUDA graphs captured", sizes=decode_step.sizes, seconds=round(time.perf_counter() - t0, 2))
+    if isinstance(mixed_step, CudaGraphMixedStep):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            mixed_step.capture(kv_caches)
+        log.info(
+            "CUDA graphs captured (mixed steps)",
+            token_sizes=mixed_step.sizes,
+            seconds=round(time.perf_counter() - t0, 2),
+        )

@@ -13,7 +13,6 @@ import numpy as np
 import structlog
 import torch
 
-from engine_core.attention.backend import AttentionMetadata
 from engine_core.attention.selector import create_backend
 from engine_core.checkpoint.model_dir import gguf_file
 from engine_core.checkpoint.model_files import resolve_model_dir
@@ -28,20 +27,19 @@ from engine_core.model.llama import model_class
 from engine_core.model.loader import DTYPES, architecture, iter_weights, load_config, prefetch_weights
 from engine_core.model.native_decode import NativeDecodeStep
 from engine_core.model.quantization import resolve_weight_format
-from engine_core.plan import LogprobsTensors, ModelRunnerOutput, PromptLogprobs, SchedulerOutput
-from engine_core.sample.sampler import FAILED_TOKEN, Sampler, compute_logprobs
+from engine_core.plan import ModelRunnerOutput, SchedulerOutput
+from engine_core.sample.sampler import FAILED_TOKEN, Sampler
 from engine_core.sample.sampling_batch import SamplingBatch
 from engine_core.step_timings import StepTimings
 from engine_core.structured_output.guidance import backend_for_model
+from engine_core.worker.attention_inputs import attention_metadata
 from engine_core.worker.beam_rows import apply_beam_deltas
-from engine_core.worker.cuda_graphs import CudaGraphDecodeStep
 from engine_core.worker.device_inputs import DeviceInputs, step_input_specs
 from engine_core.worker.draft_model import DraftModel
 from engine_core.worker.draft_runner import DraftRunner
 from engine_core.worker.driver_sampling import sample_on_driver
-from engine_core.worker.graph_steps import cuda_graph_steps
-from engine_core.worker.input_batch import InputBatch, StepInputs
-from engine_core.worker.mixed_graphs import CudaGraphMixedStep
+from engine_core.worker.graph_steps import capture_graphs, cuda_graph_steps
+from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.model_setup import (
     GIB,
     ModelInfo,
@@ -52,9 +50,11 @@ from engine_core.worker.model_setup import (
 )
 from engine_core.worker.paged_kv_cache import PagedKvCache
 from engine_core.worker.pending_grammars import IDLE_WAIT_S, PendingGrammars
-from engine_core.worker.spec_verify import Verification, advance_verified, write_drafts
+from engine_core.worker.prompt_logprobs import prompt_logprobs
+from engine_core.worker.spec_verify import Verification, write_drafts
 from engine_core.worker.step_functions import StepFunction, pick_step_function
-from engine_core.worker.step_sampling import StepSample, batch_metadata, sample_step
+from engine_core.worker.step_sampling import batch_metadata, sample_step
+from engine_core.worker.verified_output import emit_verified
 from engine_core.worker.verify_rows import as_decode_rows
 from kernels import cpu as cpu_kernels
 from kernels.triton_mode import configure_triton_interpret
@@ -234,20 +234,7 @@ class ModelRunner:
             tokens=tokens,
             max_concurrency_at_max_model_len=round(tokens / self.max_model_len, 2),
         )
-        if isinstance(self.decode_step, CudaGraphDecodeStep):
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                self.decode_step.capture(self.kv_caches)
-            log.info("CUDA graphs captured", sizes=self.decode_step.sizes, seconds=round(time.perf_counter() - t0, 2))
-        if isinstance(self.mixed_step, CudaGraphMixedStep):
-            t0 = time.perf_counter()
-            with torch.inference_mode():
-                self.mixed_step.capture(self.kv_caches)
-            log.info(
-                "CUDA graphs captured (mixed steps)",
-                token_sizes=self.mixed_step.sizes,
-                seconds=round(time.perf_counter() - t0, 2),
-            )
+        capture_graphs(self.decode_step, self.mixed_step, self.kv_caches)
 
     # ---- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -296,7 +283,9 @@ class ModelRunner:
             self._staging.begin()
         # NOTE: a step of decode and verification rows only runs as decode rows, one per query token (verify_rows.py)
         decode_rows = as_decode_rows(inputs, drafts, self.config.max_num_seqs) if drafts else None
-        meta = self._attention_metadata(decode_rows or inputs)
+        meta = attention_metadata(
+            decode_rows or inputs, self.batch, self.config.block_size, self._to_device, self._staging is not None
+        )
         input_ids = self._to_device("input_ids", inputs.input_ids)
         positions = self._to_device("positions", inputs.positions)
         last_token = self._to_device("sample_index", logit_index)
@@ -310,7 +299,8 @@ class ModelRunner:
         hidden = step(input_ids, positions, self.kv_caches, meta)
         timings.sample_start = time.perf_counter()
         out = ModelRunnerOutput()
-        out.prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        if self._prompt_logprob_seqs:
+            out.prompt_logprobs = prompt_logprobs(self.model, self.batch, inputs, hidden, self.device)
         if not len(sample_idx):
             self.batch.advance(inputs, sample_idx, sample_idx)
             return out
@@ -329,7 +319,7 @@ class ModelRunner:
         if verify is not None:
             if self.draft is not None:
                 self.draft.resample(verify, logits, sampled, self.batch, self.sampling)
-            out = self._emit_verified(out, verify, inputs, sample_idx, sampled)
+            out = emit_verified(out, verify, inputs, sample_idx, sampled, self.batch, self.sampling)
         else:
             self.batch.advance(inputs, inputs.rows[sample_idx], np.where(tokens == FAILED_TOKEN, 0, tokens))
             out.seq_ids = sample_seq_ids
@@ -338,31 +328,6 @@ class ModelRunner:
         if self.draft is not None:
             proposing = [s for s in dict.fromkeys(out.seq_ids) if s not in out.errors]
             out.draft_token_ids = self.draft.propose(self.batch, self.sampling, proposing)
-        return out
-
-    def _emit_verified(
-        self,
-        out: ModelRunnerOutput,
-        verify: Verification,
-        inputs: StepInputs,
-        sample_idx: np.ndarray,
-        sampled: StepSample,
-    ) -> ModelRunnerOutput:
-        """A step with drafts: each verified row emits its accepted drafts and the target's own token."""
-        keep, accepted = verify.accept(sampled.tokens)
-        tokens = sampled.tokens[keep]
-        advance_verified(
-            self.batch, inputs, sample_idx, np.where(tokens == FAILED_TOKEN, 0, tokens), accepted, verify.drafts
-        )
-        for seq_id, row_drafts, a in zip(verify.seq_ids, verify.drafts, accepted, strict=True):
-            if len(row_drafts) > a:
-                self.sampling.rewind_seeded(seq_id, len(row_drafts) - a)
-        out.seq_ids = [verify.row_seq_ids[i] for i in keep.tolist()]
-        out.sampled_token_ids = tokens.tolist()
-        lp = sampled.logprobs
-        if lp is not None:
-            index = torch.from_numpy(keep).to(lp.token_ids.device)
-            out.logprobs = LogprobsTensors(lp.token_ids[index], lp.logprobs[index], lp.ranks[index])
         return out
 
     def _forget(self, seq_id: int) -> None:
@@ -405,58 +370,3 @@ class ModelRunner:
         if self._staging is None:
             return torch.from_numpy(values).to(self.device)
         return self._staging.put(name, values)
-
-    def _attention_metadata(self, inputs: StepInputs) -> AttentionMetadata:
-        nd = inputs.num_decodes
-        rows = inputs.rows
-        seq_lens = inputs.num_computed + inputs.num_scheduled
-        bs = self.config.block_size
-
-        def tables(name: str, sel: slice) -> torch.Tensor:
-            if self._staging is not None:
-                # NOTE: full width on CUDA: one fixed stride (no kernel respecialization, and what a graph captured).
-                return self._to_device(name, self.batch.block_table[rows[sel]])
-            lens = seq_lens[sel]
-            width = int(-(-lens.max() // bs)) if len(lens) else 0
-            return self._to_device(name, self.batch.block_tables(rows[sel], width))
-
-        q_lens = inputs.num_scheduled[nd:]
-        return AttentionMetadata(
-            num_decodes=nd,
-            num_prefills=len(rows) - nd,
-            slot_mapping=self._to_device("slot_mapping", inputs.slot_mapping),
-            decode_seq_lens=self._to_device("decode_seq_lens", seq_lens[:nd].astype(np.int32)),
-            decode_block_tables=tables("decode_block_tables", slice(0, nd)),
-            max_decode_seq_len=int(seq_lens[:nd].max()) if nd else 0,
-            prefill_query_start_loc=self._to_device(
-                "prefill_query_start_loc", np.concatenate(([0], np.cumsum(q_lens))).astype(np.int32)
-            ),
-            prefill_seq_lens=self._to_device("prefill_seq_lens", seq_lens[nd:].astype(np.int32)),
-            prefill_block_tables=tables("prefill_block_tables", slice(nd, None)),
-            max_prefill_query_len=int(q_lens.max()) if len(q_lens) else 0,
-            prefill_query_lens_cpu=q_lens.tolist(),
-            prefill_seq_lens_cpu=seq_lens[nd:].tolist(),
-        )
-
-    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> dict[int, PromptLogprobs]:
-        """Logprobs of the prompt tokens this step's chunk predicts (only for sequences that asked)."""
-        result: dict[int, PromptLogprobs] = {}
-        if not self._prompt_logprob_seqs:
-            return result
-        for i, seq_id in enumerate(inputs.seq_ids):
-            k = self.batch.params[seq_id].prompt_logprobs
-            if k is None:
-                continue
-            row = int(inputs.rows[i])
-            start, n = int(inputs.num_computed[i]), int(inputs.num_scheduled[i])
-            # Position p predicts prompt token p + 1; only prompt tokens have prompt logprobs.
-            end = min(start + n, int(self.batch.num_prompt[row]) - 1)
-            if end <= start:
-                continue
-            offset = int(inputs.query_start_loc[i])
-            logits = self.model.compute_logits(hidden[offset : offset + end - start])
-            if logits is None:  # tensor parallelism: rank 0 reports them
-                continue
-            targets = torch.from_numpy(self.batch.token_ids[row, start + 1 : end + 1]).to(self.device)
-            result[seq_id] = PromptLogprobs(start=start + 1, tensors=compute_logprobs(logits, targets, k))
-        return result
