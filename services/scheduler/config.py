@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from engine_core.config import EngineConfig
 from engine_core.spec_decode.config import SpeculativeConfig
 from services.common import ports
 from services.common.engine_flags import SCHEDULER_FIELDS, add_engine_flags, engine_config_from_args
@@ -39,6 +40,20 @@ class SchedulerConfig:
     metrics_port: int  # Prometheus /metrics (-1: off)
     tracing: TracingSettings
     tls: TlsFiles
+
+    def engine_config(self, block_size: int, max_model_len: int, num_blocks: int) -> EngineConfig:
+        """The EngineCore's config: these flags with what the workers reported (block size, context, KV blocks)."""
+        return EngineConfig(
+            block_size=block_size,
+            max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            scheduling_policy=self.scheduling_policy,
+            async_scheduling=self.async_scheduling,
+            enable_prefix_caching=self.enable_prefix_caching,
+            num_kv_blocks=num_blocks,
+            speculative_config=self.speculative_config,
+        )
 
 
 def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:

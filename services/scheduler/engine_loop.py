@@ -9,7 +9,6 @@ output handling of step N overlaps the execution of step N+1.
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -19,7 +18,6 @@ import grpc
 import structlog
 from prometheus_client import CollectorRegistry
 
-from engine_core.config import EngineConfig
 from engine_core.core.kv_events import KvEvent, KvEventBuffer
 from engine_core.core.request import FinishReason, Request
 from engine_core.core.seq_output import SeqOutput, ending_outputs
@@ -30,28 +28,19 @@ from services.common.timeutil import monotonic_to_ns
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.executor import RemoteExecutor, StepDeadline, WorkerGroupInfo, WorkerMismatchError
 from services.scheduler.failover import FailureCounts
+from services.scheduler.loop_commands import (
+    AbortCommand,
+    AddCommand,
+    Command,
+    CommandQueue,
+    FinishChoiceCommand,
+    StopCommand,
+)
 from services.scheduler.metrics import RecoveryMetrics, ResetReason, StepMetrics
+from services.scheduler.request_events import Events, Publish, event_for
 from services.scheduler.tracing import StepTracer
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass
-class RequestEvent:
-    """What one step (or command) did to one request."""
-
-    request_id: str
-    outputs: list[SeqOutput] = field(default_factory=list)
-    finished: bool = False
-    error: str = ""
-    # The gRPC status that ends the request's stream when it failed: UNAVAILABLE (retryable: a worker failed or
-    # hung) or INTERNAL (this request's handling raised).
-    error_code: str = ""
-    # The engine request this event belongs to: a stale event never reaches a newer request that reuses the id.
-    request: Request | None = None
-    scheduled_ns: int = 0
-    first_token_ns: int = 0
-    finished_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,32 +54,7 @@ class SchedulerStats:
     worker_seconds: float = 0.0
 
 
-@dataclass
-class _Add:
-    request: Request
-
-
-@dataclass
-class _Abort:
-    request: Request  # NOTE: by object, not id: an abort never reaches a newer request that reuses the id
-
-
-@dataclass
-class _FinishChoice:
-    request: Request
-    index: int
-    stop: str
-
-
-@dataclass
-class _Stop:
-    pass
-
-
-_Command = _Add | _Abort | _FinishChoice | _Stop
-Publish = Callable[[list[RequestEvent]], None]
 PublishKv = Callable[[list[KvEvent]], None]
-Events = dict[Request, RequestEvent]
 
 
 class EngineLoop:
@@ -121,7 +85,7 @@ class EngineLoop:
         self.info: WorkerGroupInfo | None = None
         self.core: EngineCore | None = None
         self.stats = SchedulerStats()  # NOTE: replaced whole after each iteration, so readers see one snapshot
-        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._commands = CommandQueue()
         self._requests: dict[str, Request] = {}  # in the core, unfinished
         self._steps = 0
         self._step_s = 0.0
@@ -139,17 +103,17 @@ class EngineLoop:
         self._thread.start()
 
     def add(self, request: Request) -> None:
-        self._commands.put(_Add(request))
+        self._commands.put(AddCommand(request))
 
     def abort(self, request: Request) -> None:
-        self._commands.put(_Abort(request))
+        self._commands.put(AbortCommand(request))
 
     def finish_choice(self, request: Request, index: int, stop: str) -> None:
-        self._commands.put(_FinishChoice(request, index, stop))
+        self._commands.put(FinishChoiceCommand(request, index, stop))
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True  # NOTE: also ends a start-up still waiting for the workers
-        self._commands.put(_Stop())
+        self._commands.put(StopCommand())
         self._thread.join(timeout)
         self.executor.close()
 
@@ -192,17 +156,7 @@ class EngineLoop:
                 time.sleep(1.0 if left is None else max(0.0, min(1.0, left)))
         else:
             return False
-        engine_config = EngineConfig(
-            block_size=info.block_size,
-            max_model_len=info.max_model_len,
-            max_num_seqs=self.config.max_num_seqs,
-            max_num_batched_tokens=self.config.max_num_batched_tokens,
-            scheduling_policy=self.config.scheduling_policy,
-            async_scheduling=self.config.async_scheduling,
-            enable_prefix_caching=self.config.enable_prefix_caching,
-            num_kv_blocks=num_blocks,
-            speculative_config=self.config.speculative_config,
-        )
+        engine_config = self.config.engine_config(info.block_size, info.max_model_len, num_blocks)
         core = EngineCore(engine_config, self.executor, info.max_model_len, num_blocks)
         if self._kv_events is not None:
             # NOTE: a fresh engine has an empty cache: whatever a router knew of the previous one is gone.
@@ -225,7 +179,7 @@ class EngineLoop:
         assert core is not None
         events: Events = {}
         idle = not core.has_unfinished
-        cmds = self._take_commands(block_s=self.config.heartbeat_interval if idle else None)
+        cmds = self._commands.take(block_s=self.config.heartbeat_interval if idle else None)
         for cmd in cmds:
             self._apply_isolated(core, cmd, events)
         if self._stopping or (idle and not cmds):
@@ -261,7 +215,7 @@ class EngineLoop:
         for out in outputs:
             owner = self._requests.get(out.request_id)  # NOTE: step outputs belong to the request in the core
             if owner is not None:
-                event = self._event(events, owner)
+                event = event_for(events, owner)
                 event.outputs.append(out)
                 if out.error:
                     # NOTE: one row of the step failed (ModelRunnerOutput.errors): its request ends with INTERNAL,
@@ -295,21 +249,7 @@ class EngineLoop:
         if problem:
             self._recover(f"worker failure: {problem}", "UNAVAILABLE", ResetReason.HEARTBEAT)
 
-    def _take_commands(self, block_s: float | None) -> list[_Command]:
-        """Every queued command; when idle (`block_s`), waits up to that long for the first one."""
-        cmds: list[_Command] = []
-        if block_s is not None:
-            try:
-                cmds.append(self._commands.get(timeout=block_s))
-            except queue.Empty:
-                return cmds
-        while True:
-            try:
-                cmds.append(self._commands.get_nowait())
-            except queue.Empty:
-                return cmds
-
-    def _apply_isolated(self, core: EngineCore, cmd: _Command, events: Events) -> None:
+    def _apply_isolated(self, core: EngineCore, cmd: Command, events: Events) -> None:
         """Applies one command; if handling it raises, only its request fails (INTERNAL), never the loop."""
         try:
             self._apply(core, cmd, events)
@@ -323,10 +263,10 @@ class EngineLoop:
                     core.abort(request.request_id)
             self._fail(request, f"failed while handling the request: {type(e).__name__}: {e}", "INTERNAL", events)
 
-    def _apply(self, core: EngineCore, cmd: _Command, events: Events) -> None:
-        if isinstance(cmd, _Stop):
+    def _apply(self, core: EngineCore, cmd: Command, events: Events) -> None:
+        if isinstance(cmd, StopCommand):
             self._stopping = True
-        elif isinstance(cmd, _Add):
+        elif isinstance(cmd, AddCommand):
             request = cmd.request
             try:
                 core.add_request(request)
@@ -334,36 +274,27 @@ class EngineLoop:
                 self._fail(request, str(e), "INVALID_ARGUMENT", events)
                 return
             self._requests[request.request_id] = request
-        elif isinstance(cmd, _Abort):
+        elif isinstance(cmd, AbortCommand):
             request = cmd.request
             if self._requests.get(request.request_id) is request:
                 self._end(request, core.abort(request.request_id), events)
-        elif isinstance(cmd, _FinishChoice) and self._requests.get(cmd.request.request_id) is cmd.request:
+        elif isinstance(cmd, FinishChoiceCommand) and self._requests.get(cmd.request.request_id) is cmd.request:
             outs = core.finish_choice(cmd.request.request_id, cmd.index, FinishReason.STOP_STRING, cmd.stop)
-            self._event(events, cmd.request).outputs.extend(outs)
+            event_for(events, cmd.request).outputs.extend(outs)
 
     def _end(self, request: Request, outputs: list[SeqOutput], events: Events) -> None:
         """Reports a request that ended outside a step (abort, error) with its last outputs."""
-        event = self._event(events, request)
+        event = event_for(events, request)
         event.outputs.extend(outputs)
         event.finished = True
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
 
     def _fail(self, request: Request, error: str, code: str, events: Events) -> None:
-        event = self._event(events, request)
+        event = event_for(events, request)
         event.error, event.error_code = error, code
         # NOTE: the core may be broken (a worker failed mid-step): the outputs come from the request alone.
         self._end(request, ending_outputs(request, FinishReason.ERROR), events)
-
-    @staticmethod
-    def _event(events: Events, request: Request) -> RequestEvent:
-        """The event of this request object. NOTE: keyed by object, not id: an aborted request and a new one that
-        reuses its id in the same iteration get separate events (one ABORT, one running)."""
-        event = events.get(request)
-        if event is None:
-            event = events[request] = RequestEvent(request.request_id, request=request)
-        return event
 
     def _fail_all(self, error: str, code: str = "INTERNAL", keep_unscheduled: bool = False) -> list[Request]:
         """Fails every request in flight; with `keep_unscheduled`, those never scheduled are returned instead (a

@@ -34,9 +34,10 @@ from services.convert.params import params_from_proto
 from services.convert.ranges import check_wire_ranges
 from services.rpc import SCHEDULER_SERVICE, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.config import SchedulerConfig, parse_scheduler_args
-from services.scheduler.engine_loop import EngineLoop, RequestEvent
+from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.kv_event_hub import KvEventHub
 from services.scheduler.kv_event_stream import watch_kv_events
+from services.scheduler.request_events import RequestEvent
 from services.scheduler.tracing import record_request
 
 log = structlog.get_logger(__name__)
