@@ -6,6 +6,7 @@ Every engine default is written here once; the services' flags are derived from 
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -70,6 +71,11 @@ class EngineConfig:
     # NOTE: only executors that can run a step while the scheduler goes on (remote workers) use it; offline LLM runs
     # the model on the scheduler's own thread.
     async_scheduling: bool = _opt(True, "plan step N+1 while the workers run a short step N (remote workers)")
+    # NOTE: llguidance's fuel bounds a compile's work, not its wall time on a loaded machine: this bounds the wait of
+    # a structured-output request whose grammar the worker is compiling (core/grammar_gate.py). No vLLM equivalent.
+    structured_outputs_compile_timeout: float = _opt(
+        30.0, "seconds a structured-output request waits for its grammar to compile before it fails alone"
+    )
     # NOTE: a dict (LLM) or JSON (flags) becomes the typed SpeculativeConfig in __post_init__, as vLLM's keys.
     speculative_config: SpeculativeConfig | None = field(
         default=None,
@@ -111,6 +117,11 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not 0 < self.structured_outputs_compile_timeout < math.inf:
+            raise ValueError(
+                "structured_outputs_compile_timeout must be a finite number of seconds > 0, "
+                f"got {self.structured_outputs_compile_timeout}"
+            )
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         spec = self.speculative_config

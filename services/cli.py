@@ -14,7 +14,7 @@ import sys
 import threading
 from typing import TextIO
 
-from engine_core.config import QUANTIZATIONS
+from engine_core.config import QUANTIZATIONS, EngineConfig
 from engine_core.spec_decode.config import SpeculativeConfig
 from services.common import ports
 from services.common.engine_flags import field_default, json_config
@@ -111,6 +111,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         extra_frontend_args=_tool_args(args),
     )
     config.with_replicas(args.replicas)
+    config.extra_scheduler_args += scheduler_args(args)
     if args.speculative_config is not None:
         flag = ["--speculative-config", args.speculative_config.to_json()]
         config.extra_scheduler_args += flag
@@ -146,6 +147,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         codes = cluster.stop()
         print(f"stopped: {codes}", file=sys.stderr)
     return 0
+
+
+def scheduler_args(args: argparse.Namespace) -> list[str]:
+    """Engine flags of `serve` that only the scheduler reads, passed on as its own flags."""
+    return ["--structured-outputs-compile-timeout", repr(args.structured_outputs_compile_timeout)]
+
+
+def _compile_timeout(text: str) -> float:
+    """`--structured-outputs-compile-timeout`, refused at parse (before any service starts) by EngineConfig's rule."""
+    value = float(text)
+    try:
+        EngineConfig(structured_outputs_compile_timeout=value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _tool_args(args: argparse.Namespace) -> list[str]:
@@ -203,6 +219,12 @@ def _parser() -> argparse.ArgumentParser:
         type=json_config(SpeculativeConfig.parse),
         default=None,
         help='speculative decoding as JSON (vLLM\'s keys), e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
+    serve.add_argument(
+        "--structured-outputs-compile-timeout",
+        type=_compile_timeout,
+        default=field_default("structured_outputs_compile_timeout"),
+        help="seconds a structured-output request waits for its grammar to compile before it fails alone",
     )
     serve.add_argument("--log-dir", default=None, help="write each service's log there instead of stderr")
     serve.add_argument(

@@ -5,6 +5,7 @@ a compile failure or a deadline ends it alone; an abort while it compiles releas
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from engine_core import LLM, SamplingParams, StructuredOutputsParams
-from engine_core.core.grammar_gate import GRAMMAR_COMPILE_TIMEOUT_S
+from engine_core.config import EngineConfig
 from engine_core.core.request import FinishReason, Request
 from engine_core.core.seq_output import SeqOutput
 from engine_core.sampling_params import with_eos
@@ -125,15 +126,30 @@ def test_a_compile_failure_or_the_deadline_ends_only_that_request(llm: LLM) -> N
     assert_idle(llm)
 
     gate = llm.core.scheduler.grammar_gate
-    gate.deadline_s = 0.0  # any compile outlasts it
+    deadline_s, gate.deadline_s = gate.deadline_s, 0.0  # any compile outlasts it
     try:
         llm.core.add_request(Request("late", ids, params(huge_choice("late"))))
         llm.core.add_request(Request("on-time", ids, params()))
         seen = run(llm)
     finally:
-        gate.deadline_s = GRAMMAR_COMPILE_TIMEOUT_S
+        gate.deadline_s = deadline_s
     assert seen.finished["late"].finish_reason is FinishReason.ERROR
     assert seen.finished["late"].error == "structured_outputs.choice did not compile within 0 s"
+    assert seen.finished["on-time"].finish_reason is FinishReason.LENGTH
+    assert_idle(llm)
+
+
+def test_the_compile_deadline_is_the_engines_structured_outputs_compile_timeout(tiny_vocab_dir: Path) -> None:
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="structured_outputs_compile_timeout"):
+            EngineConfig(structured_outputs_compile_timeout=bad)
+    llm = LLM(str(tiny_vocab_dir), kv_cache_memory=0.05, max_model_len=512, structured_outputs_compile_timeout=1e-6)
+    ids = llm.tokenizer.encode("Answer:")
+    llm.core.add_request(Request("late", ids, params(huge_choice("setting"))))
+    llm.core.add_request(Request("on-time", ids, params()))
+    seen = run(llm)
+    assert seen.finished["late"].finish_reason is FinishReason.ERROR
+    assert seen.finished["late"].error == "structured_outputs.choice did not compile within 1e-06 s"
     assert seen.finished["on-time"].finish_reason is FinishReason.LENGTH
     assert_idle(llm)
 

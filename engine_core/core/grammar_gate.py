@@ -19,10 +19,6 @@ from engine_core.core.request import Request, Sequence
 from engine_core.plan import GrammarRequest
 from engine_core.structured_output.backend import GRAMMAR_CACHE_SIZE
 
-# A constraint not compiled by then ends its request (llguidance's fuel bounds a compile's work, not its wall time
-# under a loaded machine; this bounds the wait).
-GRAMMAR_COMPILE_TIMEOUT_S = 30.0
-
 
 @dataclass
 class _Held:
@@ -40,8 +36,8 @@ class GateResult:
 
 
 class GrammarGate:
-    def __init__(self, deadline_s: float = GRAMMAR_COMPILE_TIMEOUT_S) -> None:
-        self.deadline_s = deadline_s
+    def __init__(self, deadline_s: float) -> None:
+        self.deadline_s = deadline_s  # EngineConfig.structured_outputs_compile_timeout
         self.held: dict[str, _Held] = {}  # request_id -> waiting for its grammar
         self._to_send: list[GrammarRequest] = []
         self._ready_keys: OrderedDict[tuple, None] = OrderedDict()  # compiled on the worker (as far as we know)

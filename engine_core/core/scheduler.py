@@ -46,7 +46,8 @@ class Scheduler:
         self.beam_groups: dict[str, BeamGroup] = {}  # request_id -> its group, for beam search requests
         self.beam_totals = BeamTotals()  # of the groups that ended, for metrics
         self.finished_beams: list[BeamGroup] = []  # ended in `update`: the engine reports their hypotheses
-        self.grammar_gate = GrammarGate()  # structured-output requests waiting for their grammar, outside `waiting`
+        # structured-output requests waiting for their grammar, outside `waiting`
+        self.grammar_gate = GrammarGate(config.structured_outputs_compile_timeout)
         key: Callable[[Sequence], tuple] = (
             (lambda s: s.sort_key) if config.scheduling_policy == "priority" else (lambda s: s.sort_key[1:])
         )

@@ -28,7 +28,7 @@ WORKER_FIELDS = (
 # What shapes continuous batching (the worker's --max-num-seqs must be at least the scheduler's).
 SCHEDULER_FIELDS = (
     "max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "async_scheduling", "enable_prefix_caching",
-    "num_kv_blocks", "speculative_config", "tensor_parallel_size",
+    "num_kv_blocks", "speculative_config", "tensor_parallel_size", "structured_outputs_compile_timeout",
 )  # fmt: skip
 
 _FIELDS: dict[str, Field[Any]] = {f.name: f for f in fields(EngineConfig)}

@@ -28,6 +28,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool
     num_kv_blocks: int | None
     speculative_config: SpeculativeConfig | None  # the scheduler proposes the drafts (it owns the tokens)
+    structured_outputs_compile_timeout: float  # the grammar gate's deadline (the scheduler holds the requests)
     max_waiting_requests: int  # beyond this, Submit answers RESOURCE_EXHAUSTED
     worker_timeout: float  # seconds to wait for the workers at start
     # After a worker failure: seconds to re-form the group before the held streams end UNAVAILABLE.
@@ -53,6 +54,7 @@ class SchedulerConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             num_kv_blocks=num_blocks,
             speculative_config=self.speculative_config,
+            structured_outputs_compile_timeout=self.structured_outputs_compile_timeout,
         )
 
 
@@ -127,6 +129,7 @@ def parse_scheduler_args(argv: list[str] | None = None) -> SchedulerConfig:
         enable_prefix_caching=a.enable_prefix_caching,
         num_kv_blocks=a.num_kv_blocks,
         speculative_config=a.speculative_config,
+        structured_outputs_compile_timeout=a.structured_outputs_compile_timeout,
         max_waiting_requests=a.max_waiting_requests,
         worker_timeout=a.worker_timeout,
         worker_reform_timeout=a.worker_reform_timeout,

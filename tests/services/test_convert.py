@@ -130,6 +130,23 @@ def test_engine_flags_come_from_engine_config(monkeypatch: pytest.MonkeyPatch) -
         parse_scheduler_args(["--scheduling-policy", "lifo"])
 
 
+def test_pagoda_serve_passes_the_compile_deadline_to_the_scheduler() -> None:
+    from engine_core.config import EngineConfig
+    from services.cli import _parser, scheduler_args
+    from services.scheduler.config import parse_scheduler_args
+
+    default = EngineConfig().structured_outputs_compile_timeout
+    assert parse_scheduler_args([]).engine_config(16, 512, 8).structured_outputs_compile_timeout == default
+    args = _parser().parse_args(["serve", "--structured-outputs-compile-timeout", "2.5"])
+    sched = parse_scheduler_args(scheduler_args(args))
+    assert sched.engine_config(16, 512, 8).structured_outputs_compile_timeout == 2.5
+    for bad in ("0", "-3", "inf", "nan", "soon"):
+        with pytest.raises(SystemExit):
+            _parser().parse_args(["serve", "--structured-outputs-compile-timeout", bad])
+        with pytest.raises(SystemExit):
+            parse_scheduler_args(["--structured-outputs-compile-timeout", bad])
+
+
 def test_one_cache_dir_rule(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
     from engine_core.config import default_cache_dir
     from kernels import cpu as cpu_kernels
