@@ -48,10 +48,10 @@ class Scheduler:
         self.finished_beams: list[BeamGroup] = []  # ended in `update`: the engine reports their hypotheses
         # structured-output requests waiting for their grammar, outside `waiting`
         self.grammar_gate = GrammarGate(config.structured_outputs_compile_timeout)
-        key: Callable[[Sequence], tuple] = (
+        # the queues' order (priority, then arrival; or arrival alone): running sorts by it, the victim is its last
+        self.order_key: Callable[[Sequence], tuple] = (
             (lambda s: s.sort_key) if config.scheduling_policy == "priority" else (lambda s: s.sort_key[1:])
         )
-        self.order_key = key
         spec = config.speculative_config
         self.drafter: Drafter | None = Drafter(spec) if spec is not None else None
 
