@@ -205,7 +205,7 @@ def main() -> None:
     warm = make("random", 2, seed=12345)
     generate(warm.prompts, [8, 8])
     report.breakdowns.append(breakdown("after warm-up", kv_range))
-    for name in args.workloads.split(","):
+    for name in filter(None, args.workloads.split(",")):  # NOTE: --workloads "": the load and warm-up alone
         wl = make(name, args.num_requests, 0)
         t = time.perf_counter()
         generate(wl.prompts, wl.output_lens)
