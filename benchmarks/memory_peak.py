@@ -177,8 +177,18 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=0.05, help="RSS sampling period, s")
     ap.add_argument("--step-mb", type=float, default=4.0, help="a new breakdown when RSS passes the last by this")
     ap.add_argument("--json", default=None, help="also write the report here")
+    ap.add_argument("--worker-allocator", action="store_true", help="malloc as a worker sets it (retain_freed_memory)")
+    ap.add_argument("--keep-load-heap", action="store_true", help="A/B: skip release_free_heap after the load")
     args = ap.parse_args()
 
+    if args.worker_allocator:
+        from engine_core.worker.host_allocator import retain_freed_memory
+
+        retain_freed_memory()
+    if args.keep_load_heap:
+        import engine_core.worker.model_runner as model_runner
+
+        model_runner.release_free_heap = lambda: False
     from engine_core import LLM, SamplingParams
 
     t0 = time.perf_counter()
