@@ -76,10 +76,11 @@ def release_free_heap() -> bool:
     """Returns the heap's free pages to the kernel (`malloc_trim(0)`); False where there is no glibc.
 
     NOTE: called once, after the model load: the loader's float32 temporaries (decoded GGUF tensors, the weights
-    before `coded_pack` and the panels) are freed by then, but the chunks below the mmap threshold (glibc's dynamic one
-    offline, 32 MiB in a worker) stay in the heap as free, resident pages that no step may ever reuse. `malloc_trim(0)`
-    releases every free page inside the heap, not only its top (glibc >= 2.8), and keeps the arena's layout, so a
-    later step that needs the room faults it in once."""
+    before `coded_pack` and the panels) are freed by then, but under `retain_freed_memory` (a worker: chunks below
+    32 MiB from the heap, no trim) they stayed in the heap as free, resident pages: 550 MiB of heap after the load,
+    229 MiB once released (docs/benchmarks.md, "Peak RSS of the offline benchmark"). `malloc_trim(0)` releases every
+    free page inside the heap, not only its top (glibc >= 2.8), and keeps the arena's layout, so a later step that
+    needs the room faults it in once. Offline, glibc's default thresholds had already unmapped them: no change."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     trim = ctypes.CDLL(None).malloc_trim
