@@ -32,6 +32,7 @@ class PeakRss:
         self.pid = pid
         self.interval = interval
         self.peak_bytes = 0
+        self.peak_by_role: dict[str, int] = {}  # each role's largest resident memory (summed over its processes)
         self._cpu: dict[int, tuple[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -44,6 +45,7 @@ class PeakRss:
             return
         while not self._stop.wait(self.interval):
             total = 0
+            by_role: dict[str, int] = {}
             try:
                 procs = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
@@ -51,13 +53,21 @@ class PeakRss:
             for p in procs:
                 try:
                     with p.oneshot():
-                        total += p.memory_info().rss
+                        rss = p.memory_info().rss
+                        total += rss
                         t = p.cpu_times()
                         label = self._cpu[p.pid][0] if p.pid in self._cpu else _label(p)
+                        by_role[label] = by_role.get(label, 0) + rss
                         self._cpu[p.pid] = (label, t.user + t.system)
                 except psutil.Error:
                     continue
             self.peak_bytes = max(self.peak_bytes, total)
+            for label, rss in by_role.items():
+                self.peak_by_role[label] = max(self.peak_by_role.get(label, 0), rss)
+
+    @property
+    def peak_gb_by_role(self) -> dict[str, float]:
+        return {label: round(b / 1e9, 3) for label, b in sorted(self.peak_by_role.items())}
 
     @property
     def cpu_s(self) -> dict[str, float]:

@@ -83,6 +83,7 @@ class ServingRow:
     # CPU seconds per 1,000 output tokens of each process (by role) during the 64 streams and during batch 1
     cpu_s_per_1k_tokens: dict[str, float] = field(default_factory=dict)
     batch1_cpu_s_per_1k_tokens: dict[str, float] = field(default_factory=dict)
+    peak_rss_gb_by_role: dict[str, float] = field(default_factory=dict)  # each process's (a worker's) peak, GB
 
     @property
     def label(self) -> str:
@@ -242,6 +243,7 @@ async def serve_bench(
         quantization,
         per_1k(cpu0, cpu1, level.output_tokens),
         per_1k(cpu1, cpu2, BATCH1_TOKENS * (args.batch1_repeats + 1)),
+        child.rss.peak_gb_by_role,
     )
     print(f"  serving {row.label:12s} round {rnd}: {fmt_serving(row)}", flush=True)
     return row
@@ -252,7 +254,7 @@ def fmt_serving(r: ServingRow) -> str:
     return (
         f"{r.streams} streams {r.total_tok_s:6.1f} tok/s (TTFT p50 {r.ttft_p50_ms / 1000:.1f} s, p90 "
         f"{r.ttft_p90_ms / 1000:.1f} s)  batch-1 {r.batch1_ms_per_token:.1f} ms/tok (TTFT {r.batch1_ttft_ms:.0f} ms)"
-        f"{grpc}  start-up {r.startup_s:5.1f} s  peak RSS {r.peak_rss_gb:.2f} GB\n"
+        f"{grpc}  start-up {r.startup_s:5.1f} s  peak RSS {r.peak_rss_gb:.2f} GB {r.peak_rss_gb_by_role}\n"
         f"    CPU s per 1k output tokens, {r.streams} streams: {r.cpu_s_per_1k_tokens}; batch 1: "
         f"{r.batch1_cpu_s_per_1k_tokens}"
     )

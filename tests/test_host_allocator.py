@@ -57,3 +57,31 @@ def test_memory_a_thread_frees_stays_with_the_process() -> None:
     assert freed - before > (allocated - before) * 9 // 10
     # nothing is handed back in later rounds either (4 MiB of slack for the interpreter's own small frees)
     assert all(freed >= allocated - 4 * MIB for _, allocated, freed in retained)
+
+
+# Under the worker's settings (freed memory kept), the model load's temporaries: written, freed, then handed back by
+# `release_free_heap`; prints the RSS before, after the allocations, after the free and after the release.
+RELEASE_PROBE = """
+import json, torch
+from engine_core.worker.host_allocator import release_free_heap, retain_freed_memory
+assert retain_freed_memory()
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+before = rss()
+xs = [torch.empty(mib << 18, dtype=torch.float32).fill_(1.0) for mib in (24, 12, 6, 6)]
+allocated = rss()
+del xs
+freed = rss()
+released = release_free_heap()
+print(json.dumps([before, allocated, freed, rss(), released]))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_release_free_heap_hands_the_loads_freed_memory_back() -> None:
+    out = subprocess.run([sys.executable, "-c", RELEASE_PROBE], capture_output=True, text=True, timeout=120, check=True)
+    before, allocated, freed, after, released = json.loads(out.stdout.splitlines()[-1])
+    assert allocated - before > 40 * MIB
+    assert freed - before > (allocated - before) * 9 // 10  # kept by the settings: the control
+    assert released
+    assert after - before < (allocated - before) // 10

@@ -140,6 +140,18 @@ def test_preemption_rebuilds_the_matcher(tiny_vocab_dir: Path) -> None:
     assert_idle(tight)
 
 
+def test_the_tokenizer_is_built_by_the_first_constrained_request(tiny_vocab_dir: Path) -> None:
+    """An engine that never sees a constraint never holds llguidance's tokenizer (~35 MB for SmolLM2's vocabulary)."""
+    backend = backend_for_model(tiny_vocab_dir, 49152, 2)
+    assert backend is not None
+    assert backend._tokenizer is None
+    backend.prepare(StructuredOutputsParams(regex="[ab]{2}")).result(timeout=120)
+    assert backend._tokenizer is not None
+    built = backend._tokenizer
+    backend.prepare(StructuredOutputsParams(regex="[cd]{2}")).result(timeout=120)
+    assert backend._tokenizer is built  # once
+
+
 def test_matcher_replay_equals_the_live_matcher(tiny_vocab_dir: Path) -> None:
     """What a resumed (preempted) sequence gets: the same mask as the matcher that consumed the tokens live."""
     backend = backend_for_model(tiny_vocab_dir, 49152, 2)

@@ -1,8 +1,11 @@
 """The llguidance backend: its matchers compute masks lazily from the token trie (no per-grammar precompute), in
 Rust, without the GIL, as plain int32 words; no torch anywhere.
 
-The tokenizer (the model directory's `tokenizer.json`) is loaded once, in a background thread from construction,
-since it takes ~0.5 s for a 50k vocabulary; the first constrained request waits for it.
+The tokenizer (the model directory's `tokenizer.json`) is built once, by the first constrained request's compile
+(~0.5 s for a 50k vocabulary, which that request waits for).
+NOTE: on first use, not at construction: llguidance's tokenizer holds ~35 MB (SmolLM2's vocabulary; ~60 MB while
+it builds) in every engine process, which most never use; vLLM too builds its grammar backend on the first
+structured-output request (docs/benchmarks.md, "Peak RSS of the offline benchmark").
 """
 
 from __future__ import annotations
@@ -51,22 +54,15 @@ class GuidanceBackend(StructuredOutputBackend):
         """`on_compile` is told about every grammar compiled (on the compile thread, or the step's on a fallback)
         and every matcher copied from the cache (the step's thread): metrics and spans."""
         self.vocab_size = vocab_size
-        self._tokenizer: Future[llguidance.LLTokenizer] = Future()
+        self._tokenizer_json, self._eos_token_id = tokenizer_json, eos_token_id
+        self._tokenizer: llguidance.LLTokenizer | None = None  # built by `_llg_tokenizer` on first use
+        self._tokenizer_lock = threading.Lock()
         self._cache: OrderedDict[tuple, llguidance.LLMatcher] = OrderedDict()  # key -> template, copied per sequence
         self._compiling: dict[tuple, Future[None]] = {}  # key -> its compile on the compile thread
         self._lock = threading.Lock()  # the cache and `_compiling`: the step's and the compile thread share them
         self._compiler: ThreadPoolExecutor | None = None  # made on first use
         self._executor = llguidance.LLExecutor()
         self.on_compile = on_compile
-
-        def load() -> None:
-            try:
-                text = tokenizer_json.read_text(encoding="utf-8")
-                self._tokenizer.set_result(llguidance.LLTokenizer(text, n_vocab=vocab_size, eos_token=eos_token_id))
-            except Exception as e:  # surfaced on the first constrained request, which fails alone
-                self._tokenizer.set_exception(e)
-
-        threading.Thread(target=load, name="llguidance-tokenizer", daemon=True).start()
 
     def prepare(self, params: StructuredOutputsParams) -> Future[None]:
         key = params.key
@@ -112,7 +108,7 @@ class GuidanceBackend(StructuredOutputBackend):
         key = params.key
         try:
             try:
-                tokenizer = self._tokenizer.result()
+                tokenizer = self._llg_tokenizer()
             except Exception as e:
                 raise StructuredOutputError(f"structured output is unavailable: the tokenizer did not load: {e}") from e
             try:
@@ -132,6 +128,14 @@ class GuidanceBackend(StructuredOutputBackend):
         if self.on_compile is not None:
             self.on_compile(GrammarCompile(params.kind.value, time.perf_counter() - t0, False, t0))
         return template
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        """The tokenizer, built on the first call (a failed build raises, and the next call tries again)."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                text = self._tokenizer_json.read_text(encoding="utf-8")
+                self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos_token_id)
+            return self._tokenizer
 
     def fill_masks(self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: np.ndarray) -> None:
         pairs = [(m.ll, row) for m, row in matchers if isinstance(m, GuidanceMatcher)]

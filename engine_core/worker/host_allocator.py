@@ -70,3 +70,20 @@ def retain_freed_memory() -> bool:
     else:
         log.info("allocator keeps freed memory", **{name: value for name, (_, value) in RETAIN_SETTINGS.items()})
     return not failed
+
+
+def release_free_heap() -> bool:
+    """Returns the heap's free pages to the kernel (`malloc_trim(0)`); False where there is no glibc.
+
+    NOTE: called once, after the model load: the loader's float32 temporaries (decoded GGUF tensors, the weights
+    before `coded_pack` and the panels) are freed by then, but under `retain_freed_memory` (a worker: chunks below
+    32 MiB from the heap, no trim) they stayed in the heap as free, resident pages: 550 MiB of heap after the load,
+    229 MiB once released (docs/benchmarks.md, "Peak RSS of the offline benchmark"). `malloc_trim(0)` releases every
+    free page inside the heap, not only its top (glibc >= 2.8), and keeps the arena's layout, so a later step that
+    needs the room faults it in once. Offline, glibc's default thresholds had already unmapped them: no change."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    trim = ctypes.CDLL(None).malloc_trim
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return bool(trim(0))

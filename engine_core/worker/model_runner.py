@@ -39,6 +39,7 @@ from engine_core.worker.draft_model import DraftModel
 from engine_core.worker.draft_runner import DraftRunner
 from engine_core.worker.driver_sampling import sample_on_driver
 from engine_core.worker.graph_steps import capture_graphs, cuda_graph_steps
+from engine_core.worker.host_allocator import release_free_heap
 from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.model_setup import (
     GIB,
@@ -152,12 +153,13 @@ class ModelRunner:
             block_bytes=self.kv.block_bytes,
         )
         self.sampler = Sampler()
-        # NOTE: kept across reset(): the tokenizer (loading in the background from here) and the compiled grammars.
+        # NOTE: kept across reset(): the tokenizer (built by the first constrained request) and the compiled grammars.
         self.grammar_backend = backend_for_model(model_dir, hf.vocab_size, getattr(hf, "eos_token_id", None))
         self.last_timings = StepTimings()  # of the latest execute(); read by the worker service for its spans
         self.max_blocks_per_seq = math.ceil(self.max_model_len / config.block_size)
         self.draft = self._load_draft()
         self.reset()
+        release_free_heap()  # NOTE: the loaders' freed temporaries back to the kernel (host_allocator.py)
         # CUDA: a step's inputs travel through pinned buffers into persistent device tensors (device_inputs.py), and
         # decode-only steps (cuda_graphs.py) and steps with prefill chunks (mixed_graphs.py) replay CUDA graphs,
         # captured in init_kv_cache, unless enforce_eager.
