@@ -8,9 +8,11 @@ token back at a time with numpy), and each step of the path counts the tokens th
 The counts are the tree's (the occurrences of the path so far), with no tree kept: the memory is the token log
 itself, and the work per proposal is proportional to the occurrences of the context's last token.
 
-NOTE: the tree's depth bounds match + draft length; here the match is taken up to `max_depth - k` tokens, so a long
-match never leaves less than the draft's full room (a shorter match with a longer draft scores higher in Arctic's
-search over match lengths, and this picks that match directly).
+NOTE: the tree's depth bounds match + draft length, and the draft is at most spec_factor x the match: here the match
+is taken up to `match_cap` tokens, the longest that leaves the draft its full room k (a shorter match with a longer
+draft scores higher in Arctic's search over match lengths, and this picks that match directly); where k is more
+than the depth allows (vLLM's suffix default: k = the depth), the match where both bounds meet, depth / (1 +
+factor) tokens (12 of 24 at factor 1), and a draft of the rest.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ class SuffixDraft:
     match_len: int = 0
 
 
+def match_cap(k: int, max_depth: int, spec_factor: float) -> int:
+    """The longest context match to look for: match + draft <= max_depth and draft <= spec_factor x match."""
+    balanced = int(max_depth / (1 + spec_factor))  # where spec_factor x match == max_depth - match
+    return max(1, max_depth - k if k <= max_depth - balanced else balanced)
+
+
 def suffix_draft(
     log: np.ndarray,
     ends: np.ndarray,
@@ -44,7 +52,7 @@ def suffix_draft(
     where `log` holds the context itself, its last position is not one of them."""
     if k < 1 or not len(ends) or not len(context):
         return SuffixDraft()
-    cap = min(len(context), max(1, max_depth - k))
+    cap = min(len(context), match_cap(k, max_depth, spec_factor))
     matched = ends
     m = 1
     while m < cap:
@@ -55,7 +63,7 @@ def suffix_draft(
             break
         matched = matched[ok]
         m += 1
-    n = min(k, int(spec_factor * m))
+    n = min(k, int(spec_factor * m), max_depth - m)
     draft = SuffixDraft(match_len=m)
     pos = matched + 1
     prob = 1.0
