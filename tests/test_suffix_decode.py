@@ -43,6 +43,16 @@ def test_match_and_draft_stay_within_the_tree_depth_when_k_exceeds_it() -> None:
     assert cache(depth=32, factor=1.0).propose(tokens, None, 32) == long_span[30:46]  # deeper tree, longer draft
 
 
+def test_a_single_remaining_path_stops_at_its_documents_end() -> None:
+    """One occurrence left (read in one slice): the draft never crosses into the next cached output."""
+    c = cache()
+    c.add_output([10, 11, 12, 13], None)
+    c.add_output([20, 21, 22, 23, 24, 25], None)
+    assert c.propose([3, 10, 11], None, 8) == [12, 13]
+    assert c.propose([3, 21, 22], None, 8) == [23, 24, 25]
+    assert c.propose([3, 21, 22], None, 2) == [23, 24]
+
+
 def test_suffix_defaults_k_to_its_tree_depth_as_vllm() -> None:
     from engine_core.spec_decode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
 

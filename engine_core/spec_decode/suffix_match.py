@@ -6,7 +6,9 @@ probability (the product of child count / parent count) stays >= min_token_prob.
 the occurrences themselves: the match is the set of positions where the context's last m tokens end (narrowed one
 token back at a time with numpy), and each step of the path counts the tokens that follow the surviving positions.
 The counts are the tree's (the occurrences of the path so far), with no tree kept: the memory is the token log
-itself, and the work per proposal is proportional to the occurrences of the context's last token.
+itself, and the work per proposal is proportional to the occurrences of the context's last token. Once a single
+occurrence is left (a span being copied, the common case), the rest of its match and of its path are read in one
+slice each instead of one numpy step per token (the scheduler proposes every decode step).
 
 NOTE: the tree's depth bounds match + draft length, and the draft is at most spec_factor x the match: here the match
 is taken up to `match_cap` tokens, the longest that leaves the draft its full room k (a shorter match with a longer
@@ -29,6 +31,15 @@ class SuffixDraft:
     token_ids: list[int] = field(default_factory=list)
     score: float = 0.0  # sum of the path's probabilities (Arctic's score)
     match_len: int = 0
+
+
+def _run_back(log: np.ndarray, end: int, context: np.ndarray, limit: int) -> int:
+    """How many tokens (at most `limit`) before `log[end + 1]` equal the context's last ones, read backwards."""
+    n = min(limit, end + 1, len(context))
+    if n <= 0:
+        return 0
+    same = log[end - n + 1 : end + 1][::-1] == context[len(context) - n :][::-1]
+    return n if same.all() else int(np.argmin(same))
 
 
 def match_cap(k: int, max_depth: int, spec_factor: float) -> int:
@@ -56,6 +67,9 @@ def suffix_draft(
     matched = ends
     m = 1
     while m < cap:
+        if len(matched) == 1:  # one occurrence left: the rest of its match in one comparison
+            m += _run_back(log, int(matched[0]) - m, context[: len(context) - m], cap - m)
+            break
         back = matched - m
         ok = back >= 0
         ok[ok] = log[back[ok]] == context[-1 - m]
@@ -67,7 +81,15 @@ def suffix_draft(
     draft = SuffixDraft(match_len=m)
     pos = matched + 1
     prob = 1.0
-    for _ in range(n):
+    while len(draft.token_ids) < n:
+        if len(pos) == 1:  # one path left: its tokens up to a document's end, each at the same probability
+            start = int(pos[0])
+            tail = log[start : start + n - len(draft.token_ids)]
+            ends_at = np.flatnonzero(tail == SEP)
+            tail = tail[: ends_at[0]] if len(ends_at) else tail
+            draft.token_ids += tail.tolist()
+            draft.score += prob * len(tail)
+            break
         total = len(pos)
         pos = pos[pos < len(log)]
         values = log[pos]
