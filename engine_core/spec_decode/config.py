@@ -14,7 +14,7 @@ MAX_SUFFIX_TREE_DEPTH = 64
 # NOTE: a verification step's rows grow with k (1 + k query tokens per sequence): bounded per step.
 MAX_SPECULATIVE_TOKENS = MAX_SUFFIX_TREE_DEPTH
 # num_speculative_tokens when not given, for ngram and draft_model (suffix: its tree depth, as vLLM's suffix method).
-# NOTE: measured, docs/decisions.md "Speculative decoding: draft length".
+# NOTE: measured, docs/decisions.md "Speculative decoding" (draft length).
 DEFAULT_NUM_SPECULATIVE_TOKENS = 4
 # NOTE: the proposer compares every window of the sequence once per n-gram length it tries: bounded per step.
 MAX_PROMPT_LOOKUP = 32
