@@ -6,12 +6,17 @@
    of every arm must be identical.
 2. Batch 1, agentic: one prompt family (a triage agent's fixed instructions and JSON answer format, a different
    ticket each time) repeated across requests, where other requests' outputs help the suffix method.
-3. The 64-request random workload (benchmarks/workload.py): total tok/s on vs off (the adaptive drafter must keep
+3. With --grpc ARMS: the input-grounded prompts through the public gRPC `Generate` stream of local clusters (one per
+   arm and off, all up at once, as `pagoda serve --speculative-config` starts them: spec_grpc.py).
+4. The 64-request random workload (benchmarks/workload.py): total tok/s on vs off (the adaptive drafter must keep
    >= 0.97x: random tokens rarely recur, and 64 rows are past `disable_by_batch_size`).
 
     python benchmarks/spec_decode.py [--rounds 2] [--methods ngram,suffix[,draft_model]] [--draft-model PATH]
-        [--skip-random]  (draft_model's default draft is the target itself: every draft accepted, so it shows the
-        mechanism's overhead, not a real pairing's speed-up)
+        [--grpc suffix] [--skip-agentic] [--skip-random]
+
+An arm is a method with its defaults (SpeculativeConfig) or `method:k` (num_speculative_tokens k), e.g.
+`--methods suffix,suffix:4,ngram:8`. draft_model's default draft is the target itself: every draft accepted, so it
+shows the mechanism's overhead, not a real pairing's speed-up.
 
 Appends one JSON line to benchmarks/results/spec_decode.jsonl.
 """
@@ -92,6 +97,7 @@ def make_llm(args: argparse.Namespace, spec: dict[str, Any] | None) -> Any:
 
 
 STEP_MS: dict[tuple[str, str], list[float]] = {}  # (arm, "verify" | "plain") -> each decode step's ms
+OUTPUTS: dict[tuple[str, int], list[int]] = {}  # (workload, prompt index) -> its output (round 0; every arm's)
 
 
 def batch1(llm: Any, arm: str, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
@@ -140,6 +146,7 @@ def run_batch1(arms: dict[str, ArmView], name: str, prompts: list[str], rounds: 
                 ms[arm].append(t)
                 got[arm] = tokens
             assert all(tokens == got["off"] for tokens in got.values()), f"{name} {i}: outputs differ"
+            OUTPUTS.setdefault((name, i), got["off"])
             line = ", ".join(f"{a} {ms[a][-1]:.2f}" for a in names)
             print(f"{name} round {r} prompt {i} ({len(got['off'])} tokens), ms/token: {line}", flush=True)
     result: dict[str, Any] = {}
@@ -176,6 +183,29 @@ def random_workload(llm: Any, args: argparse.Namespace) -> float:
     return wl.total_tokens / dt
 
 
+def arm_spec(arm: str) -> dict[str, Any]:
+    """`method` (its defaults) or `method:k` -> the speculative_config."""
+    method, _, k = arm.partition(":")
+    return {"method": method} | ({"num_speculative_tokens": int(k)} if k else {})
+
+
+def run_grpc(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """The grounded prompts through gRPC Generate streams, off and each arm of --grpc (spec_grpc.py)."""
+    import spec_grpc
+
+    prompts = [
+        list(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
+        for p in GROUNDED
+    ]
+    expected = [OUTPUTS[("grounded", i)] for i in range(len(prompts))] if ("grounded", 0) in OUTPUTS else None
+    arms = [spec_grpc.GrpcArm("off", None)] + [spec_grpc.GrpcArm(a, arm_spec(a)) for a in args.grpc.split(",")]
+    try:
+        spec_grpc.start(arms, args.model, args.threads, args.kv_cache_memory)
+        return spec_grpc.run(arms, prompts, args.grpc_rounds, args.max_tokens, expected)
+    finally:
+        spec_grpc.stop(arms)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="HF dir or .gguf; default SmolLM2-135M-Instruct")
@@ -184,9 +214,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="batch-1 rounds (arms alternate which goes first)")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--num-requests", type=int, default=64)
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--methods", default="ngram,suffix", help="the on-arms, one drafter each (or draft_model)")
+    ap.add_argument("--methods", default="ngram,suffix", help="the on-arms (method or method:k), one drafter each")
     ap.add_argument("--draft-model", default=None, help="draft_model's draft; default the target itself")
+    ap.add_argument("--grpc", default="", help="on-arms (method or method:k) also run through gRPC Generate streams")
+    ap.add_argument("--grpc-rounds", type=int, default=1, help="gRPC rounds (1: every prompt first seen)")
+    ap.add_argument("--skip-agentic", action="store_true")
     ap.add_argument("--skip-random", action="store_true")
     ap.add_argument("--skip-batch1", action="store_true", help="the random workload only")
     ap.add_argument("--random-arms", default="off,ngram,suffix", help="order of the random workload's runs")
@@ -194,7 +226,7 @@ def main() -> None:
     from engine_core.spec_decode.config import SpeculativeConfig
     from engine_core.spec_decode.drafter import Drafter
 
-    specs = {m: {"method": m, "num_speculative_tokens": args.num_speculative_tokens} for m in args.methods.split(",")}
+    specs = {arm: arm_spec(arm) for arm in args.methods.split(",")}
     if "draft_model" in specs:
         from engine_core.checkpoint.model_files import resolve_model_dir
         from engine_core.config import default_cache_dir
@@ -215,8 +247,12 @@ def main() -> None:
     result: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(), "specs": specs}
     if not args.skip_batch1:
         result["grounded"] = run_batch1(arms, "grounded", GROUNDED, args.rounds, args.max_tokens)
-        result["agentic"] = run_batch1(arms, "agentic", AGENTIC, args.rounds, args.max_tokens)
+        if not args.skip_agentic:
+            result["agentic"] = run_batch1(arms, "agentic", AGENTIC, args.rounds, args.max_tokens)
     print(json.dumps(result, indent=1), flush=True)
+    if args.grpc:
+        result["grpc_grounded"] = run_grpc(llm, args)
+        print(json.dumps(result["grpc_grounded"], indent=1), flush=True)
     if not args.skip_random:
         tok_s: dict[str, list[float]] = {}
         for arm in args.random_arms.split(","):

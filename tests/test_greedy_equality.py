@@ -139,11 +139,15 @@ def test_logprobs_match_transformers(smollm2_dir: str, hf_model: torch.nn.Module
 SPEC_METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 32},
     "suffix": {"method": "suffix", "num_speculative_tokens": 4, "disable_by_batch_size": 32},
+    # vLLM's suffix default, k = the tree depth (24): drafts up to 12, verification rows up to 13 (one 16-row block of
+    # the coded kernel)
+    "suffix_default": {"method": "suffix", "disable_by_batch_size": 32},
 }
 
 
 @pytest.mark.parametrize(
-    ("method", "max_num_batched_tokens"), [("ngram", 2048), ("ngram", 24), ("suffix", 2048), ("suffix", 24)]
+    ("method", "max_num_batched_tokens"),
+    [("ngram", 2048), ("ngram", 24), ("suffix", 2048), ("suffix", 24), ("suffix_default", 2048)],
 )
 def test_speculative_decoding(
     smollm2_dir: str, prompt_ids: list[list[int]], reference: list[list[int]], method: str, max_num_batched_tokens: int

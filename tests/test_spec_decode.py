@@ -271,7 +271,7 @@ def test_drafter_backs_off_after_rejections() -> None:
         ({"prompt_lookup_max": 33}, "speculative_config.prompt_lookup_max must be <= 32"),
         ({"method": "draft_model"}, "speculative_config.model must name the draft model"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
-        ({"num_speculative_tokens": 17}, "num_speculative_tokens must be <= 16"),
+        ({"num_speculative_tokens": 65}, "num_speculative_tokens must be <= 64"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
         ({"num_speculative_token": 3}, "unknown key"),
         ("{not json", "not valid JSON"),

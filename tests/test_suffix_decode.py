@@ -30,6 +30,38 @@ def test_the_draft_continues_the_requests_own_earlier_occurrence() -> None:
     assert cache().propose([1, 2, 3], None, 4) == []  # the last token never occurred before
 
 
+def test_match_and_draft_stay_within_the_tree_depth_when_k_exceeds_it() -> None:
+    """vLLM's suffix default k is the tree depth: the draft is what depth and factor leave (12 of 24 at factor 1)."""
+    span = list(range(100, 140))
+    tokens = [*span, 7, *span[:30]]  # the prompt's 40-token span being copied, 30 tokens in
+    # the log continues past the span (7, then the span again): 12 tokens
+    assert cache(depth=24, factor=1.0).propose(tokens, None, 24) == [*span[30:40], 7, 100]
+    long_span = list(range(100, 160))
+    tokens = [*long_span, 7, *long_span[:30]]
+    assert cache(depth=24, factor=1.0).propose(tokens, None, 24) == long_span[30:42]  # match 12, draft 12
+    assert cache(depth=24, factor=1.0).propose(tokens, None, 8) == long_span[30:38]  # k below the bounds: k
+    assert cache(depth=32, factor=1.0).propose(tokens, None, 32) == long_span[30:46]  # deeper tree, longer draft
+
+
+def test_a_single_remaining_path_stops_at_its_documents_end() -> None:
+    """One occurrence left (read in one slice): the draft never crosses into the next cached output."""
+    c = cache()
+    c.add_output([10, 11, 12, 13], None)
+    c.add_output([20, 21, 22, 23, 24, 25], None)
+    assert c.propose([3, 10, 11], None, 8) == [12, 13]
+    assert c.propose([3, 21, 22], None, 8) == [23, 24, 25]
+    assert c.propose([3, 21, 22], None, 2) == [23, 24]
+
+
+def test_suffix_defaults_k_to_its_tree_depth_as_vllm() -> None:
+    from engine_core.spec_decode.config import DEFAULT_NUM_SPECULATIVE_TOKENS, SpeculativeConfig
+
+    assert SpeculativeConfig(method="suffix").num_speculative_tokens == 24
+    assert SpeculativeConfig(method="suffix", suffix_decoding_max_tree_depth=32).num_speculative_tokens == 32
+    assert SpeculativeConfig(method="suffix", num_speculative_tokens=5).num_speculative_tokens == 5
+    assert SpeculativeConfig(method="ngram").num_speculative_tokens == DEFAULT_NUM_SPECULATIVE_TOKENS
+
+
 def test_the_most_frequent_continuation_wins_and_min_prob_cuts_the_path() -> None:
     # after "5": 6 twice, 8 once -> 6 (probability 2/3); then after "5 6": 7 and 0 once each -> p = 1/3
     tokens = [5, 6, 7, 5, 8, 1, 5, 6, 0, 5]

@@ -9,17 +9,23 @@ from typing import Any
 
 # vLLM's methods (an unknown one fails at start-up, by name).
 METHODS = ("ngram", "suffix", "draft_model")
-MAX_SPECULATIVE_TOKENS = 16
-# NOTE: the proposer compares every window of the sequence once per n-gram length it tries: bounded per step.
-MAX_PROMPT_LOOKUP = 32
 # NOTE: the suffix proposer narrows its match one token at a time up to the depth: bounded per step.
 MAX_SUFFIX_TREE_DEPTH = 64
+# NOTE: a verification step's rows grow with k (1 + k query tokens per sequence): bounded per step.
+MAX_SPECULATIVE_TOKENS = MAX_SUFFIX_TREE_DEPTH
+# num_speculative_tokens when not given, for ngram and draft_model (suffix: its tree depth, as vLLM's suffix method).
+# NOTE: measured, docs/decisions.md "Speculative decoding" (draft length).
+DEFAULT_NUM_SPECULATIVE_TOKENS = 4
+# NOTE: the proposer compares every window of the sequence once per n-gram length it tries: bounded per step.
+MAX_PROMPT_LOOKUP = 32
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    # None: DEFAULT_NUM_SPECULATIVE_TOKENS, or for suffix suffix_decoding_max_tree_depth (vLLM's rule); the suffix
+    # method's drafts are adaptive within it (<= max_spec_factor x match length, match + draft <= tree depth).
+    num_speculative_tokens: int | None = None
     prompt_lookup_max: int = 4  # longest n-gram matched (ngram)
     prompt_lookup_min: int = 2  # shortest n-gram matched (ngram)
     # NOTE: vLLM's key; a decode step of more rows than this proposes nothing: verifying drafts pays off where a step
@@ -45,6 +51,11 @@ class SpeculativeConfig:
             raise bad("model", "must name the draft model (a path or hub id) for method 'draft_model'")
         if self.method != "draft_model" and self.model is not None:
             raise bad("model", f"is only read by method 'draft_model', not {self.method!r}")
+        if self.num_speculative_tokens is None:
+            depth = self.suffix_decoding_max_tree_depth
+            valid = _is_int(depth) and 2 <= depth <= MAX_SUFFIX_TREE_DEPTH  # else its own check below names it
+            k = depth if self.method == "suffix" and valid else DEFAULT_NUM_SPECULATIVE_TOKENS
+            object.__setattr__(self, "num_speculative_tokens", k)  # NOTE: frozen; resolved once, here
         for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             value = getattr(self, key)
             if not _is_int(value) or value < 1:

@@ -1,5 +1,5 @@
 // y = x @ W^T (+ b) at every row count, with W resident only in its block-coded form: 4 or 8 bits per weight
-// instead of 32. Below 16 rows each record is decoded in registers per 8 rows; from 16, each pair of panels is
+// instead of 32. Up to 16 rows each record is decoded in registers once per 16 rows; from 17, each pair of panels is
 // decoded once into an L2-sized buffer and multiplied by the panel kernel (panel_gemm, panel_linear.cpp).
 //
 // Why: at 1-8 rows a projection is bound by the memory stream of W (30 GB/s here: SmolLM2's 425 MB of float32
@@ -35,6 +35,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdlib>  // std::aligned_alloc
+#include <vector>
 
 #include "ops.h"
 
@@ -47,10 +48,14 @@ namespace {
 constexpr int64_t kCols = 16;   // columns per panel
 constexpr int64_t kBlock = 32;  // k per record
 constexpr int64_t kScales = 2 * kCols * static_cast<int64_t>(sizeof(float));  // d[16] and m[16]
-constexpr int kMaxRows = 8;     // rows per micro-kernel call
-// Rows from which a panel is decoded once and multiplied by the panel kernel (below: decoded again per 8 rows, in
-// registers, which wins below 16 rows and ties the panel kernel from 16: docs/benchmarks.md, "CPU GEMMs by row count").
-constexpr int64_t kDecodeOnceRows = 16;
+// Rows per micro-kernel call: 16 accumulators + the decoded weights, scales and masks fit AVX-512's 32 registers.
+// NOTE: 16, not 8: a speculative verification step of 9-16 query rows (k = 8..15 drafts) decodes each record once
+// instead of twice; the FMAs per row are the same, the decoding (~3.5 ops per 16 weights, on the FMA ports) is what
+// a second row block repeats (docs/benchmarks.md, "Speculative decoding").
+constexpr int kMaxRows = 16;
+// Rows from which a panel is decoded once and multiplied by the panel kernel (below: decoded in registers, once per
+// 16 rows: docs/benchmarks.md, "CPU GEMMs by row count").
+constexpr int64_t kDecodeOnceRows = kMaxRows + 1;
 
 constexpr int kHalves = 6;      // the Q6_K layout's tag: two 16-k halves, each with its d and m, int8 codes
 constexpr int64_t kHalfBytes = kScales + (kBlock / 2) * kCols;  // 384
@@ -79,22 +84,26 @@ float weight_at(const uint8_t* rec, int64_t kk, int64_t j) {
 #if defined(__AVX512F__)
 #define CODED_ROW(r, w, kk)                                                  \
   if constexpr (MR > r) {                                                    \
-    c##r = _mm512_fmadd_ps(_mm512_set1_ps(a##r[kk]), w, c##r);              \
+    c##r = _mm512_fmadd_ps(_mm512_set1_ps(at[(kk) * MR + r]), w, c##r);    \
   }
 #define CODED_ROWS(w, kk)                                                    \
   CODED_ROW(0, w, kk) CODED_ROW(1, w, kk) CODED_ROW(2, w, kk) CODED_ROW(3, w, kk) CODED_ROW(4, w, kk) \
-  CODED_ROW(5, w, kk) CODED_ROW(6, w, kk) CODED_ROW(7, w, kk)
+  CODED_ROW(5, w, kk) CODED_ROW(6, w, kk) CODED_ROW(7, w, kk) CODED_ROW(8, w, kk) CODED_ROW(9, w, kk) \
+  CODED_ROW(10, w, kk) CODED_ROW(11, w, kk) CODED_ROW(12, w, kk) CODED_ROW(13, w, kk) CODED_ROW(14, w, kk) \
+  CODED_ROW(15, w, kk)
 #define CODED_STORE(r)                                                       \
   if constexpr (MR > r) {                                                    \
     _mm512_storeu_ps(c + r * ldc, _mm512_add_ps(c##r, bias_v));              \
   }
 
-// c[r][0..15] = sum_k a[r][k] * W[k][0..15] (+ bias) for MR rows, W decoded from one panel's records.
+// c[r][0..15] = sum_k a[r][k] * W[k][0..15] (+ bias) for MR rows, W decoded from one panel's records. `at`: the MR
+// rows k-major ([K][MR], `pack_rows`), so every broadcast is one pointer plus a constant offset.
+// NOTE: with one pointer per row, 16 rows' pointers spilled from the 16 general registers (16 rows then ran slower
+// than two calls of 8).
 template <int MR, int BITS>
-void micro(const float* a, int64_t lda, const uint8_t* rec, int64_t K, const float* bias, float* c, int64_t ldc) {
+void micro(const float* at, const uint8_t* rec, int64_t K, const float* bias, float* c, int64_t ldc) {
   __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0, c6 = c0, c7 = c0;
-  const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda, *a4 = a + 4 * lda, *a5 = a + 5 * lda;
-  const float *a6 = a + 6 * lda, *a7 = a + 7 * lda;
+  __m512 c8 = c0, c9 = c0, c10 = c0, c11 = c0, c12 = c0, c13 = c0, c14 = c0, c15 = c0;
   const __m512i low = _mm512_set1_epi32(0xF);
   for (int64_t k0 = 0; k0 < K; k0 += kBlock, rec += record_bytes(BITS)) {
     if constexpr (BITS == kHalves) {
@@ -135,7 +144,8 @@ void micro(const float* a, int64_t lda, const uint8_t* rec, int64_t K, const flo
   }
   const __m512 bias_v = bias != nullptr ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
   CODED_STORE(0) CODED_STORE(1) CODED_STORE(2) CODED_STORE(3) CODED_STORE(4) CODED_STORE(5) CODED_STORE(6)
-  CODED_STORE(7)
+  CODED_STORE(7) CODED_STORE(8) CODED_STORE(9) CODED_STORE(10) CODED_STORE(11) CODED_STORE(12) CODED_STORE(13)
+  CODED_STORE(14) CODED_STORE(15)
 }
 #undef CODED_ROW
 #undef CODED_ROWS
@@ -145,13 +155,13 @@ constexpr bool kVectorized = true;
 // The portable kernel: the same per-output order and the same decoded weights, without explicit FMAs (as
 // panel_linear's portable kernel).
 template <int MR, int BITS>
-void micro(const float* a, int64_t lda, const uint8_t* rec, int64_t K, const float* bias, float* c, int64_t ldc) {
+void micro(const float* at, const uint8_t* rec, int64_t K, const float* bias, float* c, int64_t ldc) {
   float acc[MR][kCols] = {};
   for (int64_t k0 = 0; k0 < K; k0 += kBlock, rec += record_bytes(BITS)) {
     for (int64_t kk = 0; kk < kBlock; ++kk) {
       for (int64_t j = 0; j < kCols; ++j) {
         const float w = weight_at<BITS>(rec, kk, j);
-        for (int r = 0; r < MR; ++r) acc[r][j] += a[r * lda + k0 + kk] * w;
+        for (int r = 0; r < MR; ++r) acc[r][j] += at[(k0 + kk) * MR + r] * w;
       }
     }
   }
@@ -202,11 +212,19 @@ void decode_panel(const uint8_t* rec, int64_t K, float* dst) {
   }
 }
 
-using Micro = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, float*, int64_t);
+using Micro = void (*)(const float*, const uint8_t*, int64_t, const float*, float*, int64_t);
+
+// Rows r0 .. r0 + mr - 1 of x, k-major: dst[k * mr + q] = x[r0 + q][k] (the micro-kernels' `at`).
+void pack_rows(const float* x, int64_t ldx, int64_t r0, int64_t mr, int64_t K, float* dst) {
+  for (int64_t k = 0; k < K; ++k) {
+    for (int64_t q = 0; q < mr; ++q) dst[k * mr + q] = x[(r0 + q) * ldx + k];
+  }
+}
 template <int BITS>
-constexpr Micro kMicro[kMaxRows + 1] = {nullptr,          micro<1, BITS>, micro<2, BITS>, micro<3, BITS>,
-                                        micro<4, BITS>,   micro<5, BITS>, micro<6, BITS>, micro<7, BITS>,
-                                        micro<8, BITS>};
+constexpr Micro kMicro[kMaxRows + 1] = {
+    nullptr,         micro<1, BITS>,  micro<2, BITS>,  micro<3, BITS>,  micro<4, BITS>,  micro<5, BITS>,
+    micro<6, BITS>,  micro<7, BITS>,  micro<8, BITS>,  micro<9, BITS>,  micro<10, BITS>, micro<11, BITS>,
+    micro<12, BITS>, micro<13, BITS>, micro<14, BITS>, micro<15, BITS>, micro<16, BITS>};
 
 // Whether the block w[0..31] is exactly fma(d, q, m) for integers q in [qmin, qmax] (d * q is exact for the scales
 // tried, so this is the kernel's decoding); the codes into q.
@@ -359,6 +377,15 @@ void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records
   // Row blocks as even as possible; every block decodes the panel again, so the caller keeps this kernel to the
   // few rows where decoding is cheaper than streaming float32 weights (model/layers/cpu_gemm_rows.py, CODED_M).
   const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, base = M / blocks, extra = M % blocks;
+  // NOTE: one row is its own k-major form (no copy on the one-token decode step); more rows are packed once per call
+  // (at most 16 x K floats per block), shared by every thread.
+  std::vector<float> packed(M > 1 ? M * K : 0);
+  for (int64_t i = 0, r = 0; M > 1 && i < blocks; ++i) {
+    const int64_t mr = base + (i < extra ? 1 : 0);
+    pack_rows(xp, ldx, r, mr, K, packed.data() + r * K);
+    r += mr;
+  }
+  const float* rows_at = M > 1 ? packed.data() : xp;
   at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) {
     float tmp[kMaxRows * kCols];
     float bias_tail[kCols];
@@ -373,9 +400,9 @@ void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records
       for (int64_t i = 0, r = 0; i < blocks; ++i) {
         const int64_t mr = base + (i < extra ? 1 : 0);
         if (cols == kCols) {
-          micros[mr](xp + r * ldx, ldx, rp + p * panel_bytes, K, pb, op + r * N + n0, N);
+          micros[mr](rows_at + r * K, rp + p * panel_bytes, K, pb, op + r * N + n0, N);
         } else {  // the last, partial panel: computed into a buffer, its padded columns dropped
-          micros[mr](xp + r * ldx, ldx, rp + p * panel_bytes, K, pb, tmp, kCols);
+          micros[mr](rows_at + r * K, rp + p * panel_bytes, K, pb, tmp, kCols);
           for (int64_t q = 0; q < mr; ++q) std::copy(tmp + q * kCols, tmp + q * kCols + cols, op + (r + q) * N + n0);
         }
         r += mr;
