@@ -30,6 +30,7 @@ namespace {
 
 constexpr int kNb = 4;  // output channels per tile: each code vector is widened once and used by every row
 constexpr int kMr = 4;  // rows per tile (kNb x kMr accumulators + kNb codes + 1 x vector fit 32 zmm registers)
+constexpr int64_t kPrefetchTiles = 2;  // how many channel tiles ahead the weight-only kernel prefetches its codes
 
 #if defined(PAGODA_INT8_AVX512)
 // sums[r][j] = x[r] . codes[j] over K for kMr >= MR rows and kNb channels (rows `w[j]`).
@@ -43,6 +44,10 @@ void dot_tile(const float* x, int64_t ldx, const int8_t* const* w, int64_t K, fl
   for (; k + 16 <= K; k += 16) {
     __m512 wv[kNb];
     for (int j = 0; j < kNb; ++j) {
+      // NOTE: the codes of the tile kPrefetchTiles ahead (rows are contiguous, so the same offset kNb * K on), one
+      // line per 64 k: the hardware prefetcher alone left batch 1 at ~40 % of the read bandwidth. A prefetch past
+      // the end of the codes is a no-op.
+      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(w[j] + k + kPrefetchTiles * kNb * K), _MM_HINT_T0);
       wv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w[j] + k))));
     }
     for (int r = 0; r < MR; ++r) {
