@@ -13,6 +13,7 @@ activation maxima from tokens 1,024-2,047 of the same text, which the score does
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ ROWS = {
     "+ int8 activations into down": ("down_proj",),
     "+ int8 activations everywhere (W8A8)": LAYER_TYPES,
 }
+LAST_ROW = "+ int8 activations everywhere (W8A8)"
 SMOOTH_ALPHAS = (0.5, 0.75)
 # projections that share an input share its smoothing (q/k/v: input_layernorm's output; gate/up: the post-attention
 # norm's; down: SiLU x up, foldable into up_proj's rows)
@@ -57,6 +59,9 @@ def main() -> None:
     from engine_core.io.tokenizer import load_tokenizer
     from engine_core.model.layers.int8_gemm import quantize_per_channel
 
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoothed-only", action="store_true", help="only W8A8 everywhere and the smoothed rows")
+    args = ap.parse_args()
     torch.set_num_threads(2)
     cache = default_cache_dir()
     model_dir = resolve_model_dir(None, cache)
@@ -120,7 +125,7 @@ def main() -> None:
     print(f"float32 perplexity {ref_ppl:.3f}")
     print("| int8 where | top-1 agreement | perplexity | vs float32 |")
     print("| --- | ---: | ---: | ---: |")
-    for name, types in ROWS.items():
+    for name, types in ROWS.items() if not args.smoothed_only else [(LAST_ROW, ROWS[LAST_ROW])]:
         agree, ppl = score(types)
         print(f"| {name} | {agree * 100:.2f} % | {ppl:.3f} | {(ppl / ref_ppl - 1) * 100:+.2f} % |", flush=True)
     for alpha in SMOOTH_ALPHAS:
