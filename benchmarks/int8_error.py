@@ -106,7 +106,8 @@ def main() -> None:
             m.weight.data = codes.float() * scale[:, None]
 
     def score(a8_types: Sequence[str], smooth: dict[str, torch.Tensor] | None = None) -> tuple[float, float]:
-        smooth = smooth or {}
+        # NOTE: a projection whose input stays float keeps its weight unsmoothed (nothing divides its x by s)
+        smooth = {n: s for n, s in (smooth or {}).items() if any(t in n for t in a8_types)}
         quantize_weights(smooth)
         hooks = [
             m.register_forward_pre_hook(int8_input(smooth.get(n)))
