@@ -7,7 +7,8 @@
   up to 64 rows, the coded kernel (`coded_linear`: the same weights read as GGUF blocks, Q4_1 for the layers and
   Q8_0 for the LM head as in the default model; every kernel runs the same random weights, which are such blocks),
   bf16 oneDNN (as `dtype="bfloat16"` runs it) and the two int8 kernels of `quantization="int8"` on the same weights
-  quantized per channel (`w8`: weight-only, bf16 activations; `w8a8`: int8 activations with per-token scales, VNNI);
+  quantized per channel (`w8`: weight-only, float32 activations; `w8a8`: int8 activations with per-token scales, VNNI;
+  both kernels/cpu/int8_ops.cpp);
   then the coded kernel on the K-quants' record layouts (Q4_K: 4-bit, Q5_K: 8-bit, Q6_K: two 16-k halves) of
   random valid blocks of the same shapes (`--kquants`).
 - `attention`: decode attention per layer (9 query / 3 KV heads, head dim 64, block size 16, context lengths
@@ -135,11 +136,11 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
 
     def int8(w: torch.Tensor, w8a8_m: int) -> Int8Weight:
         codes, scale = quantize_per_channel(w)
-        return Int8Weight(codes, scale, scale.bfloat16(), w8a8_m)
+        return Int8Weight(codes, scale, w8a8_m)
 
     never = 1 << 62
     w8 = [[int8(w, never) for w in ws] for ws in plain]
-    w8a8 = [[Int8Weight(q.codes, q.scale, q.scale_bf16, 0) for q in ws] for ws in w8]
+    w8a8 = [[Int8Weight(q.codes, q.scale, 0) for q in ws] for ws in w8]
     lm_w8, lm_w8a8 = int8(lm, never), int8(lm, 0)
     panels = [[(cpu_kernels.panel_pack(w), w.shape[0]) for w in ws] for ws in plain]
     lm_panels = (cpu_kernels.panel_pack(lm), VOCAB)

@@ -16,10 +16,12 @@ from engine_core.checkpoint.compressed_tensors import parse_quantization_config
 from engine_core.config import EngineConfig
 from engine_core.model.compressed_tensors_weights import iter_int8_checkpoint
 from engine_core.model.layers.cpu_bfloat16 import this_cpu_flags
-from engine_core.model.layers.cpu_int8 import int8_unsupported
+from engine_core.model.layers.cpu_int8 import CpuInt8Method, int8_unsupported
 from engine_core.model.layers.int8_gemm import Int8Weight, int8_gemm, quantize_per_channel
 from engine_core.model.layers.linear import Linear
+from engine_core.model.native_decode import NativeDecodeStep
 from engine_core.model.quantization import resolve_weight_format
+from kernels import cpu as cpu_kernels
 from services.cli import _parser
 from tests.test_model_families import VOCAB, _tiny
 
@@ -42,21 +44,67 @@ def test_per_channel_codes_round_trip_within_half_a_step() -> None:
 
 
 @needs_vnni
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 160, 192), (5, 150, 190), (64, 160, 192), (9, 7, 3), (2, 576, 960)])
 @pytest.mark.parametrize("kernel", ["weight_only", "w8a8"])
-def test_both_kernels_track_the_float_product_of_the_codes(rows: int, kernel: str) -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_both_kernels_track_the_float_product_of_the_codes(
+    rows: int, k: int, n: int, kernel: str, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each kernel, native (kernels/cpu/int8_ops.cpp) and torch's, against the float32 product of the same codes;
+    shapes off the kernels' 16-wide vectors and 4-channel tiles included (K % 16, N % 4, rows % 4)."""
+    if not native:
+        if k % 16 or n % 16:
+            pytest.skip("torch's _weight_int8pack_mm needs K and N in multiples of 16 (it crashes on others)")
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    elif not cpu_kernels.available():
+        pytest.skip("native CPU kernels unavailable")
     gen = torch.Generator().manual_seed(rows)
-    codes, scale = quantize_per_channel(torch.randn(192, 160, generator=gen))
-    w = Int8Weight(codes, scale, scale.to(torch.bfloat16), w8a8_m=10**9 if kernel == "weight_only" else 0)
-    x, bias = torch.randn(rows, 160, generator=gen), torch.randn(192, generator=gen)
-    want = x @ (codes.float() * scale[:, None]).T + bias
+    codes, scale = quantize_per_channel(torch.randn(n, k, generator=gen))
+    w = Int8Weight(codes, scale, w8a8_m=10**9 if kernel == "weight_only" else 0)
+    x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    want = x.double() @ (codes.double() * scale.double()[:, None]).T + bias.double()
     got = int8_gemm(w, x, bias)
     assert got.dtype == torch.float32 and got.shape == want.shape
-    zero = int8_gemm(w, torch.zeros(rows, 160), bias)  # zero rows (scale 1, codes 0) give the bias exactly
+    zero = int8_gemm(w, torch.zeros(rows, k), bias)  # zero rows (scale 1, codes 0) give the bias exactly
     assert torch.equal(zero, bias.expand(rows, -1))
-    rel = ((got - want).norm() / (want - bias).norm()).item()
-    # NOTE: measured ~0.3 % (bf16 activations) and ~0.8 % (int8 activations); a wrong scale or layout is >= 10 %
-    assert rel < 0.02, rel
+    rel = ((got.double() - want).norm() / (want - bias.double()).norm()).item()
+    # NOTE: measured ~1e-7 native weight-only (float32 x), ~0.3 % torch's (bf16 x) and ~0.8 % W8A8 (int8 x); a wrong
+    # scale or layout is >= 10 %
+    assert rel < (1e-5 if native and kernel == "weight_only" else 0.02), rel
+    if native and kernel == "w8a8":  # the native passes quantize x as torch's did: the same codes, the same int32 sums
+        monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+        assert torch.allclose(got, int8_gemm(w, x, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_vnni
+@pytest.mark.parametrize("w8a8_m", [1 << 62, 1], ids=["weight-only", "w8a8"])
+def test_int8_native_decode_step_matches_the_python_layers(w8a8_m: int, tmp_path: Path, smollm2_dir: str) -> None:
+    """Decode-only int8 steps run the native whole-step decode (kernels/cpu/decode_step.cpp calls int8_ops.cpp's op
+    on the layers' own codes): the same tokens and logprobs as the Python layer loop, through each int8 kernel."""
+    model_dir = _tiny("qwen2", tmp_path / "qwen2", smollm2_dir)  # Qwen2: Q/K/V biases through the int8 op too
+    llm = LLM(str(model_dir), quantization="int8", kv_cache_memory=0.05, enable_prefix_caching=False)
+    runner = llm.core.executor
+    if not isinstance(runner.decode_step, NativeDecodeStep):
+        pytest.skip("native CPU kernels unavailable")
+    for layer in runner.model.modules():
+        if isinstance(layer, Linear):  # the codes alone, resident once
+            assert layer.cpu_forms is not None and layer.cpu_forms.int8 is not None
+            assert layer.cpu_forms.int8.w8a8_m == CpuInt8Method().w8a8_m
+            assert all(getattr(layer.cpu_forms, f) is None for f in ("coded", "panels", "onednn", "plain"))
+            layer.cpu_forms.int8.w8a8_m = w8a8_m
+    runner.decode_step = NativeDecodeStep(runner.model)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (3, 40, 1, 17, 9)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+    native = llm.generate(prompts, params, use_tqdm=False)
+    runner.decode_step = None  # every step through the model's forward (the layer loop)
+    python = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(native, python, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+            assert pa.keys() == pb.keys()
+            for tok in pa:
+                assert abs(pa[tok].logprob - pb[tok].logprob) < 1e-5
 
 
 def test_int8_is_refused_on_a_cpu_without_int8_dot_products(tmp_path: Path) -> None:
@@ -164,11 +212,14 @@ def test_a_compressed_tensors_checkpoint_loads_its_own_codes(tmp_path: Path, smo
         layer.mlp.down_proj: ("mlp.down_proj",),
     }
     for linear, parts in fused.items():
-        assert isinstance(linear, Linear) and linear.int8 is not None and linear.weight is None
+        assert isinstance(linear, Linear) and linear.weight is None
+        int8 = linear.cpu_forms.int8 if linear.cpu_forms is not None else None
+        assert int8 is not None
         want = [quantized[f"layers.1.{p}.weight"] for p in parts]
-        assert torch.equal(linear.int8.codes, torch.cat([c for c, _ in want]))
-        assert torch.allclose(linear.int8.scale, torch.cat([s for _, s in want]), rtol=1e-6)
-    assert model.lm_head.int8 is not None  # the checkpoint's float LM head runs int8 too (quantized at load)
+        assert torch.equal(int8.codes, torch.cat([c for c, _ in want]))
+        assert torch.allclose(int8.scale, torch.cat([s for _, s in want]), rtol=1e-6)
+    # the checkpoint's float LM head runs int8 too (quantized at load)
+    assert model.lm_head.cpu_forms is not None and model.lm_head.cpu_forms.int8 is not None
     gen = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (40, 7)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -13,14 +13,15 @@ import torch
 
 from engine_core.attention.backend import AttentionMetadata
 from engine_core.model.layers.cpu_forms import CpuWeightForms
+from engine_core.model.layers.cpu_gemm_rows import NEVER
 from engine_core.model.layers.linear import Linear
 from engine_core.model.llama import LlamaForCausalLM
 from kernels import cpu as cpu_kernels
 
 
 class NativeDecodeStep:
-    """Needs the model's linears processed by a CPU method (model/layers/cpu_float32.py) and the `cpu` attention
-    backend's cache layout."""
+    """Needs the model's linears processed by a CPU method (model/layers/cpu_float32.py, or cpu_int8.py) and the
+    `cpu` attention backend's cache layout."""
 
     def __init__(self, model: LlamaForCausalLM) -> None:
         self.model = model
@@ -34,6 +35,10 @@ class NativeDecodeStep:
         rows = forms[0].rows
         if any(f.rows != rows for f in forms):
             raise ValueError("the native decode step needs one row dispatch for every projection")
+        w8a8_ms = {f.int8.w8a8_m for f in forms if f.int8 is not None}
+        if len(w8a8_ms) > 1:
+            raise ValueError("the native decode step needs one W8A8 threshold for every int8 projection")
+        w8a8_m = w8a8_ms.pop() if w8a8_ms else NEVER
         self.weights = cpu_kernels.DecodeLayerWeights(
             norms=[
                 w for layer in layers for w in (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
@@ -43,6 +48,8 @@ class NativeDecodeStep:
             panels=[f.panels for f in forms],
             coded=[f.coded for f in forms],
             onednn=[f.onednn for f in forms],
+            int8_codes=[None if f.int8 is None else f.int8.codes for f in forms],
+            int8_scales=[None if f.int8 is None else f.int8.scale for f in forms],
             qkv_biases=[a.qkv_proj.bias for a in attn] if model.qkv_bias else [],
             num_heads=attn[0].num_heads,
             num_kv_heads=attn[0].num_kv_heads,
@@ -52,6 +59,7 @@ class NativeDecodeStep:
             coded_m=rows.coded_m,
             onednn_m=rows.onednn_m,
             large_m=rows.large_m,
+            w8a8_m=w8a8_m,
         )
 
     def __call__(

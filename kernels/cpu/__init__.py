@@ -26,6 +26,7 @@ _SOURCES = [
         "fused_ops.cpp",
         "panel_linear.cpp",
         "coded_linear.cpp",
+        "int8_ops.cpp",
         "decode_step.cpp",
     )
 ]
@@ -183,6 +184,21 @@ def coded_linear(x: torch.Tensor, records: torch.Tensor, n: int, bias: torch.Ten
     return out
 
 
+def int8_linear(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, w8a8_m: int
+) -> torch.Tensor:
+    """`x @ (codes * scale[:, None]).T + bias` for float32 x `[M, K]` (rows may be strided), int8 codes `[N, K]` and
+    float32 scales `[N]`: weight-only below `w8a8_m` rows, W8A8 from there (kernels/cpu/int8_ops.cpp)."""
+    out = torch.empty((x.shape[0], codes.shape[0]), dtype=torch.float32, device=x.device)
+    torch.ops.pagoda_cpu.int8_linear(out, x, codes, scale, bias, w8a8_m)
+    return out
+
+
+def int8_linear_vectorized() -> bool:
+    """Whether `int8_linear` has its AVX-512 passes here (the portable ones are exact but slow)."""
+    return bool(torch.ops.pagoda_cpu.int8_linear_vectorized())
+
+
 @dataclass
 class DecodeLayerWeights:
     """What `decode_layers` needs of a Llama-family model, flattened once at load."""
@@ -195,6 +211,8 @@ class DecodeLayerWeights:
     panels: list[torch.Tensor | None]
     coded: list[torch.Tensor | None]
     onednn: list[torch.Tensor | None]
+    int8_codes: list[torch.Tensor | None]  # int8 weights (model/layers/cpu_int8.py): codes [out, in] int8 ...
+    int8_scales: list[torch.Tensor | None]  # ... and float32 scales [out]; such a projection has no other form
     qkv_biases: list[torch.Tensor]  # one per layer (Qwen2), or empty
     num_heads: int
     num_kv_heads: int
@@ -206,6 +224,7 @@ class DecodeLayerWeights:
     coded_m: int
     onednn_m: int
     large_m: int
+    w8a8_m: int  # int8 weights: weight-only below, W8A8 from here
 
 
 def decode_layers(
@@ -233,6 +252,8 @@ def decode_layers(
         layers.panels,
         layers.coded,
         layers.onednn,
+        layers.int8_codes,
+        layers.int8_scales,
         layers.qkv_biases,
         layers.num_heads,
         layers.num_kv_heads,
@@ -242,4 +263,5 @@ def decode_layers(
         layers.coded_m,
         layers.onednn_m,
         layers.large_m,
+        layers.w8a8_m,
     )

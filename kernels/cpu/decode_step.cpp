@@ -22,6 +22,7 @@ struct Gemms {
   // rows below coded_m: the coded kernel (where the weight has codes); else below onednn_m: the panel kernel; from
   // onednn_m: oneDNN; from large_m: MKL (model/layers/cpu_forms.py's `cpu_gemm`, in the same order)
   int64_t coded_m, onednn_m, large_m;
+  int64_t w8a8_m;  // int8 weights: weight-only below, W8A8 from here (int8_ops.cpp)
 };
 
 // One projection's weight, in the forms its dispatch reads (an absent form is one no row count reaches).
@@ -31,6 +32,8 @@ struct Forms {
   const c10::optional<at::Tensor>& panels;
   const c10::optional<at::Tensor>& coded;
   const c10::optional<at::Tensor>& onednn;
+  const c10::optional<at::Tensor>& int8_codes;  // int8 weights (model/layers/cpu_int8.py): codes [out, in] ...
+  const c10::optional<at::Tensor>& int8_scales;  // ... and per-channel scales; no other form then
 };
 
 // `bf16_out`: a bf16 weight's product stays bf16 (the MLP's gate/up into the bf16 SiLU-and-mul); every other product
@@ -38,6 +41,12 @@ struct Forms {
 at::Tensor project(const Gemms& g, const at::Tensor& x, const Forms& w, const c10::optional<at::Tensor>& bias,
                    bool bf16_out = false) {
   const int64_t rows = x.size(0);
+  if (w.int8_codes.has_value()) {
+    const at::Tensor x32 = x.to(at::kFloat);
+    at::Tensor out = at::empty({rows, w.out_features}, x32.options());
+    pagoda::int8_linear(out, x32, *w.int8_codes, *w.int8_scales, bias, g.w8a8_m);
+    return out;
+  }
   // each row count takes the first form of codes, panels, oneDNN it reaches that the weight has
   if (rows < g.coded_m && w.coded.has_value()) {
     const at::Tensor x32 = x.to(at::kFloat);
@@ -85,23 +94,31 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
                                                  const c10::List<c10::optional<at::Tensor>>& panels,
                                                  const c10::List<c10::optional<at::Tensor>>& coded,
                                                  const c10::List<c10::optional<at::Tensor>>& onednn,
+                                                 const c10::List<c10::optional<at::Tensor>>& int8_codes,
+                                                 const c10::List<c10::optional<at::Tensor>>& int8_scales,
                                                  at::TensorList qkv_biases, int64_t num_heads,
                                                  int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                                                 int64_t coded_m, int64_t onednn_m, int64_t large_m) {
+                                                 int64_t coded_m, int64_t onednn_m, int64_t large_m,
+                                                 int64_t w8a8_m) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   const size_t P = static_cast<size_t>(4 * L);
   TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L) && out_features.size() == P && plain.size() == P &&
                   panels.size() == P && coded.size() == P && onednn.size() == P &&
+                  int8_codes.size() == P && int8_scales.size() == P &&
                   (qkv_biases.empty() || qkv_biases.size() == static_cast<size_t>(L)),
               "decode_layers: expected 2 norms and 4 weights per layer (and 0 or 1 qkv bias)");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decode_layers: h must be a contiguous [tokens, hidden]");
   const int64_t B = h.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const auto opts = h.options();
-  const Gemms gemms{coded_m, onednn_m, large_m};
+  const Gemms gemms{coded_m, onednn_m, large_m, w8a8_m};
   // NOTE: the List elements are read into locals once: `Forms` holds references to them.
   std::vector<c10::optional<at::Tensor>> plain_v(plain.begin(), plain.end()), panels_v(panels.begin(), panels.end());
   std::vector<c10::optional<at::Tensor>> coded_v(coded.begin(), coded.end()), onednn_v(onednn.begin(), onednn.end());
-  auto forms = [&](int64_t p) { return Forms{out_features[p], plain_v[p], panels_v[p], coded_v[p], onednn_v[p]}; };
+  std::vector<c10::optional<at::Tensor>> int8_v(int8_codes.begin(), int8_codes.end());
+  std::vector<c10::optional<at::Tensor>> int8_s(int8_scales.begin(), int8_scales.end());
+  auto forms = [&](int64_t p) {
+    return Forms{out_features[p], plain_v[p], panels_v[p], coded_v[p], onednn_v[p], int8_v[p], int8_s[p]};
+  };
   at::Tensor residual;
   for (int64_t l = 0; l < L; ++l) {
     at::Tensor x;
@@ -138,9 +155,9 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def(
       "decode_layers(Tensor h, Tensor cos, Tensor sin, Tensor(a!)[] kv_caches, Tensor slot_mapping, Tensor block_tables, "
       "Tensor seq_lens, Tensor[] norms, int[] out_features, Tensor?[] plain, Tensor?[] panels, Tensor?[] coded, "
-      "Tensor?[] onednn, "
+      "Tensor?[] onednn, Tensor?[] int8_codes, Tensor?[] int8_scales, "
       "Tensor[] qkv_biases, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int coded_m, "
-      "int onednn_m, int large_m) -> (Tensor, Tensor)");
+      "int onednn_m, int large_m, int w8a8_m) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) { m.impl("decode_layers", &pagoda::decode_layers); }

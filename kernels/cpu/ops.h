@@ -23,6 +23,10 @@ void panel_gemm(const float* x, int64_t ldx, const float* panels, int64_t count,
                 float* out, int64_t N, int64_t n0, int64_t M);
 void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records,
                   const c10::optional<at::Tensor>& bias);
+// out = x @ (codes * scale[:, None])^T (+ bias): int8 weights per output channel, weight-only below w8a8_m rows,
+// W8A8 from there (int8_ops.cpp).
+void int8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                 const c10::optional<at::Tensor>& bias, int64_t w8a8_m);
 
 // A projection's optional bias of n outputs, checked, as a pointer (nullptr for none); `op` names the caller.
 inline const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, const char* op) {

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from engine_core.model.layers.cpu_gemm_rows import NEVER, CpuGemmRows
+from engine_core.model.layers.int8_gemm import Int8Weight, int8_gemm
 from kernels import cpu as cpu_kernels
 
 
@@ -28,10 +29,12 @@ class CpuWeightForms:
     # NOTE: set by the model where the consumer reads bf16 (MLP.hand_off_bf16: gate/up into the native SiLU-and-mul):
     # a bf16 oneDNN product is returned as is, not widened to fp32 and rounded again for the next GEMM.
     bf16_out: bool = False
+    int8: Int8Weight | None = None  # int8 codes per channel (cpu_int8.py): every row count, no other form
 
     def nbytes(self) -> int:
         forms = (self.coded, self.panels, self.onednn, self.plain)
-        return sum(t.numel() * t.element_size() for t in forms if t is not None)
+        own = sum(t.numel() * t.element_size() for t in forms if t is not None)
+        return own + (0 if self.int8 is None else self.int8.nbytes())
 
 
 def pack_forms(weight: torch.Tensor, rows: CpuGemmRows, coded: torch.Tensor | None) -> CpuWeightForms:
@@ -55,7 +58,10 @@ def pack_forms(weight: torch.Tensor, rows: CpuGemmRows, coded: torch.Tensor | No
 
 def cpu_gemm(forms: CpuWeightForms, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W.T + bias` through the form this row count reads (the same order as decode_step.cpp's `project`): each
-    row count takes the first form of codes, panels, oneDNN it reaches that the weight has."""
+    row count takes the first form of codes, panels, oneDNN it reaches that the weight has (int8 weights: their own
+    dispatch, int8_gemm.py)."""
+    if forms.int8 is not None:
+        return int8_gemm(forms.int8, x, bias)
     m = x.shape[0]
     rows = forms.rows
     if m < rows.coded_m and forms.coded is not None:

@@ -29,7 +29,6 @@ from engine_core.model.layers.block_codes import BlockCodes, cat_rows
 
 if TYPE_CHECKING:
     from engine_core.model.layers.cpu_forms import CpuWeightForms
-    from engine_core.model.layers.int8_gemm import Int8Weight
 
 
 class LinearMethod(ABC):
@@ -83,10 +82,9 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias: nn.Parameter | None = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.method: LinearMethod = UNQUANTIZED
-        self.cpu_forms: CpuWeightForms | None = None  # set by the CPU methods (cpu_forms.py)
+        self.cpu_forms: CpuWeightForms | None = None  # set by the CPU methods (cpu_forms.py), int8's too
         # Each shard's GGUF codes where the checkpoint gave them (K-quants), until the method has read them
         self.block_codes: list[BlockCodes | None] = [None] * self.num_shards
-        self.int8: Int8Weight | None = None  # set by the int8 method (cpu_int8.py, int8_gemm.py)
 
     @property
     def num_shards(self) -> int:
