@@ -62,7 +62,7 @@ def kquant_files(types: list[str], model: str | None = None, llama_venv: str | N
     out_dir = Path(cache) / "peer-models" / "gguf"
     out_dir.mkdir(parents=True, exist_ok=True)
     # NOTE: named after the source file and the new type (…Q4_1.Q4_K_M.gguf): each is a re-quantization of Q4_1.
-    stem = Path(src).stem
+    stem = Path(src).resolve().stem
     paths = {t: out_dir / f"{stem}.{t}.gguf" for t in ["F32", *types]}
     if not paths["F32"].is_file():
         write_float32_gguf(Path(src), paths["F32"])
