@@ -2,7 +2,8 @@
 # Installs llama.cpp's Python bindings (llama-cpp-python 0.3.36, which vendors llama.cpp and builds it with CMake) in a
 # virtualenv of its own, outside the repository (default ~/.cache/pagoda/peers/llamacpp-venv), for
 # benchmarks/llama_cpp_peer.py and benchmarks/quality.py's K-quant files. Not run by CI (a CPU build of the shared
-# library: ~10-30 min on 2 cores). Usage: benchmarks/peers/install_llama_cpp.sh [VENV_DIR] [--tools]
+# library: 84 min on the shared 2-vCPU VM at load 15-40).
+# Usage: benchmarks/peers/install_llama_cpp.sh [VENV_DIR] [--tools]
 #
 # Recipe (docs/benchmarks.md, "Side by side with llama.cpp"):
 #   1. cmake and ninja from PyPI wheels where the system lacks them (the sdist needs CMake >= 3.21; nothing but PyPI
