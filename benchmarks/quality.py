@@ -10,12 +10,20 @@ Formats (`--formats`, the first is the reference of the agreement columns):
 - `float32`: the model's float32 safetensors export (benchmarks/peer_model.py: the GGUF blocks decoded, bit for bit
   transformers' tensors), run without codes (float32 panels / oneDNN);
 - `gguf`: the `.gguf` model itself, `quantization="gguf"` (the weights computed from their codes);
-- `int8`: the float32 export with `quantization="int8"` (per-channel int8 weights, W8A8 from a few rows).
+- `int8`: the float32 export with `quantization="int8"` (per-channel int8 weights, W8A8 from a few rows);
+- a path ending in `.gguf`: that file, computed from its codes; `--gguf-types Q4_K_M,...` adds the default model
+  quantized by llama.cpp's own quantizer to each type (benchmarks/kquant_files.py: from a float32 GGUF of the
+  Q4_1 file's decoded weights, so every such file is a re-quantization of Q4_1 and float32 is their reference).
 A format may name its `dtype` and `kv_cache_dtype` after it, `WEIGHTS[:DTYPE[:KV_CACHE_DTYPE]]`
 (`float32:bfloat16` is bf16 GEMMs with "auto", i.e. a bf16 KV cache; `float32:float32:bfloat16` a bf16 KV cache
 alone); otherwise `--dtype` and "auto".
 
+For the GGUF formats, `--transformers` also checks that the greedy outputs equal transformers' float32 decoding of
+the same file (tests/hf_reference.py's `hf_greedy`), and `--llama-cpp` counts the prompts whose greedy outputs equal
+llama.cpp's on the same file (the peer of benchmarks/peers/install_llama_cpp.sh; informative, no test depends on it).
+
     PYTHONPATH=$PWD python benchmarks/quality.py [--formats float32,gguf,float32:bfloat16,int8] [--dtype auto]
+        [--gguf-types Q4_K_M,Q5_K_M,Q6_K,Q8_0] [--transformers] [--llama-cpp [--llama-venv DIR]]
 """
 
 from __future__ import annotations
@@ -24,8 +32,9 @@ import argparse
 import hashlib
 import importlib.metadata
 import math
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TEXT_DISTRIBUTION, TEXT_FILE = "grpcio", "licenses/LICENSE"
 
@@ -37,6 +46,8 @@ class FormatResult:
     perplexity: float
     top1: list[int]  # the most likely next token at every scored position, windows concatenated
     greedy: list[list[int]]  # greedy outputs on the equality prompts
+    gguf_path: str | None = None  # the file, for a format computed from GGUF codes
+    peers: dict[str, int] = field(default_factory=dict)  # peer -> prompts whose greedy outputs equal this format's
 
 
 def public_text() -> tuple[str, str]:
@@ -60,7 +71,7 @@ def run_format(
     from tests.test_greedy_equality import GREEDY
 
     weights, dtype, kv_cache_dtype = (name.split(":") + [args.dtype, "auto"][name.count(":") :])[:3]
-    quantization = weights if weights in ("gguf", "int8") else None
+    quantization = "gguf" if weights.endswith(".gguf") else weights if weights in ("gguf", "int8") else None
     t0 = time.perf_counter()
     llm = LLM(
         model,
@@ -83,8 +94,37 @@ def run_format(
             count += 1
             top1.append(next(t for t, lp in position.items() if lp.rank == 1))
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    greedy = [o.outputs[0].token_ids for o in outs]
-    return FormatResult(name, time.perf_counter() - t0, math.exp(nll / count), top1, greedy)
+    greedy = [list(o.outputs[0].token_ids) for o in outs]
+    seconds = time.perf_counter() - t0
+    return FormatResult(name, seconds, math.exp(nll / count), top1, greedy, model if quantization == "gguf" else None)
+
+
+def transformers_greedy(gguf_path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' float32 greedy outputs on the file (it dequantizes the GGUF itself, with gguf-py)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine_core.checkpoint.model_dir import transformers_kwargs
+    from engine_core.checkpoint.model_files import resolve_model_dir
+    from engine_core.config import default_cache_dir
+    from tests.hf_reference import hf_greedy
+
+    model_dir = resolve_model_dir(gguf_path, default_cache_dir())
+    kwargs = transformers_kwargs(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kwargs).eval()
+    return [hf_greedy(model, p, max_tokens) for p in prompts]
+
+
+def gguf_path_of(model: str) -> str:
+    """The .gguf file of a model given as the file or as Pagoda's cached directory of one."""
+    from engine_core.checkpoint.model_dir import gguf_file
+
+    return str(gguf_file(model)) if os.path.isdir(model) else model
+
+
+def format_label(name: str) -> str:
+    weights, sep, rest = name.partition(":")
+    return (os.path.basename(weights) if weights.endswith(".gguf") else weights) + sep + rest
 
 
 def main() -> None:
@@ -93,8 +133,14 @@ def main() -> None:
     ap.add_argument(
         "--formats",
         default="float32,gguf",
-        help="comma list of float32, gguf, int8, each [:dtype[:kv_cache_dtype]]; the first is the reference",
+        help="comma list of float32, gguf, int8 or a .gguf path, each [:dtype[:kv_cache_dtype]]; the first is the "
+        "reference",
     )
+    ap.add_argument("--gguf-types", default="", help="also these llama.cpp quantizations (benchmarks/kquant_files.py)")
+    ap.add_argument("--transformers", action="store_true", help="GGUF formats: greedy vs transformers on the file")
+    ap.add_argument("--llama-cpp", action="store_true", help="GGUF formats: greedy vs llama.cpp on the file")
+    ap.add_argument("--llama-venv", default=None, help="the llama.cpp peer's venv (default: the install script's)")
+    ap.add_argument("--peer-prompts", type=int, default=0, help="compare the first N prompts with the peers (0: all)")
     ap.add_argument("--dtype", default="auto", help="passed to every LLM (float32, bfloat16, ...)")
     ap.add_argument("--window", type=int, default=512, help="tokens per scored window")
     ap.add_argument("--max-windows", type=int, default=0, help="score only the first N windows (0: all)")
@@ -106,7 +152,7 @@ def main() -> None:
     from engine_core.checkpoint.model_files import resolve_model_dir
     from engine_core.config import default_cache_dir
     from engine_core.io.tokenizer import load_tokenizer
-    from tests.test_greedy_equality import PROMPTS
+    from tests.test_greedy_equality import MAX_TOKENS, PROMPTS
 
     cache = default_cache_dir()
     model_dir = resolve_model_dir(args.model, cache)
@@ -121,17 +167,55 @@ def main() -> None:
         f"{sum(len(w) - 1 for w in texts)} scored tokens in {len(texts)} windows; dtype {args.dtype}"
     )
     names = args.formats.split(",")
-    results = [run_format(name, models[name.partition(":")[0]], args, texts, prompts) for name in names]
+    if args.gguf_types:
+        from kquant_files import kquant_files
+
+        files = kquant_files(args.gguf_types.split(","), args.model, args.llama_venv)
+        names += [files[t] for t in args.gguf_types.split(",")]
+    results = []
+    llama = None
+    if args.llama_cpp:
+        from llama_cpp_client import LlamaCpp
+
+        llama = LlamaCpp(args.llama_venv)
+    checked = prompts[: args.peer_prompts or len(prompts)]
+    for name in names:
+        weights = name.partition(":")[0]
+        r = run_format(name, weights if weights.endswith(".gguf") else models[weights], args, texts, prompts)
+        if r.gguf_path is not None and llama is not None:
+            llama.load("m", gguf_path_of(r.gguf_path), n_ctx=512)
+            theirs = [llama.generate("m", p, MAX_TOKENS, stop=[]).tokens for p in checked]
+            r.peers["llama.cpp"] = sum(a == b for a, b in zip(r.greedy, theirs, strict=False))
+        if r.gguf_path is not None and args.transformers:
+            hf = transformers_greedy(r.gguf_path, checked, MAX_TOKENS)
+            r.peers["transformers"] = sum(a == b for a, b in zip(r.greedy, hf, strict=False))
+        results.append(r)
+        # NOTE: each row as soon as it is known: on a loaded machine a long run may not reach the table.
+        agree = sum(a == b for a, b in zip(r.top1, results[0].top1, strict=True)) / len(r.top1)
+        print(
+            f"{format_label(name)}: perplexity {r.perplexity:.4f}, top-1 agreement {agree * 100:.2f} %, "
+            f"greedy identical {sum(a == b for a, b in zip(r.greedy, results[0].greedy, strict=True))}, "
+            f"{r.seconds:.1f} s, of {len(checked)} prompts greedy = {r.peers}",
+            flush=True,
+        )
+    if llama is not None:
+        llama.close()
     ref = results[0]
-    print("| format | perplexity | vs " + ref.name + " | top-1 agreement | greedy outputs identical | seconds |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    peers = [p for p in ("transformers", "llama.cpp") if any(p in r.peers for r in results)]
+    print(
+        f"| format | perplexity | vs {format_label(ref.name)} | top-1 agreement | greedy outputs identical | "
+        + "".join(f"greedy = {p} on the file | " for p in peers)
+        + "seconds |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | " + "---: | " * len(peers) + "---: |")
     for r in results:
         agree = sum(a == b for a, b in zip(r.top1, ref.top1, strict=True)) / len(ref.top1)
         same = sum(a == b for a, b in zip(r.greedy, ref.greedy, strict=True))
         delta = (r.perplexity / ref.perplexity - 1) * 100
+        cells = "".join(f"{r.peers[p]}/{len(checked)} | " if p in r.peers else "| " for p in peers)
         print(
-            f"| {r.name} | {r.perplexity:.4f} | {delta:+.3f} % | {agree * 100:.2f} % | {same}/{len(ref.greedy)} "
-            f"| {r.seconds:.1f} |"
+            f"| {format_label(r.name)} | {r.perplexity:.4f} | {delta:+.3f} % | {agree * 100:.2f} % "
+            f"| {same}/{len(ref.greedy)} | {cells}{r.seconds:.1f} |"
         )
 
 
