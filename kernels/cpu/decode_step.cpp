@@ -102,13 +102,21 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
   std::vector<c10::optional<at::Tensor>> plain_v(plain.begin(), plain.end()), panels_v(panels.begin(), panels.end());
   std::vector<c10::optional<at::Tensor>> coded_v(coded.begin(), coded.end()), onednn_v(onednn.begin(), onednn.end());
   auto forms = [&](int64_t p) { return Forms{out_features[p], plain_v[p], panels_v[p], coded_v[p], onednn_v[p]}; };
+  // NOTE: with bf16 weights in oneDNN's GEMMs (from onednn_m rows, without codes below), the norms write the next
+  // GEMM's bf16 input and read o/down's bf16 products, in place of a cast on each side (fused_ops.cpp, rms_norm_to).
+  const bool bf16 = onednn_v[0].has_value() && onednn_v[0]->scalar_type() == at::kBFloat16 && B >= coded_m &&
+                    B >= onednn_m && B < large_m;
+  const auto norm_opts = bf16 ? opts.dtype(at::kBFloat16) : opts;
   at::Tensor residual;
   for (int64_t l = 0; l < L; ++l) {
     at::Tensor x;
     if (l == 0) {
       residual = h;
-      x = h.clone();
-      add_rms_norm(x, c10::nullopt, norms[0], eps);
+      x = at::empty_like(h, norm_opts);
+      rms_norm_to(x, h, c10::nullopt, norms[0], eps);
+    } else if (bf16) {
+      x = at::empty({B, h.size(1)}, norm_opts);
+      rms_norm_to(x, h, residual, norms[2 * l], eps);  // residual += h; x = norm(residual)
     } else {
       add_rms_norm(h, residual, norms[2 * l], eps);  // residual += h; h = norm(residual)
       x = h;
@@ -122,13 +130,20 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
     store_kv(kv_caches[l], k, v, slot_mapping);
     at::Tensor attn = at::empty({B, num_heads, head_dim}, opts);
     paged_decode_attention(attn, q, kv_caches[l], block_tables, seq_lens, scale);
-    h = project(gemms, attn.view({B, q_size}), forms(4 * l + 1), c10::nullopt);
-    add_rms_norm(h, residual, norms[2 * l + 1], eps);
-    at::Tensor gate_up = project(gemms, h, forms(4 * l + 2), c10::nullopt, /*bf16_out=*/true);
+    h = project(gemms, attn.view({B, q_size}), forms(4 * l + 1), c10::nullopt, bf16);
+    if (bf16) {
+      x = at::empty({B, h.size(1)}, norm_opts);
+      rms_norm_to(x, h, residual, norms[2 * l + 1], eps);
+    } else {
+      add_rms_norm(h, residual, norms[2 * l + 1], eps);
+      x = h;
+    }
+    at::Tensor gate_up = project(gemms, x, forms(4 * l + 2), c10::nullopt, /*bf16_out=*/true);
     at::Tensor act = at::empty({B, gate_up.size(1) / 2}, gate_up.options());  // bf16 from a bf16 GEMM
     silu_and_mul(act, gate_up);
-    h = project(gemms, act, forms(4 * l + 3), c10::nullopt);
+    h = project(gemms, act, forms(4 * l + 3), c10::nullopt, bf16);
   }
+  // h: the last down projection's product, bf16 with `bf16` (the final norm reads either)
   return {h, residual};
 }
 

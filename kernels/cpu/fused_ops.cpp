@@ -14,6 +14,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 extern "C" __attribute__((__simd__("notinbranch"))) float expf(float) noexcept;
 
@@ -27,9 +35,97 @@ void check_rows(const at::Tensor& t, const char* name) {
 // Rows per parallel task: enough work (~16K floats) per task that the thread hand-off is worth it.
 int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
 
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // exact: bf16 is fp32's top half
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// dst = bf16(src), round to nearest even (torch's .to(bfloat16); AVX-512 BF16 also flushes denormals to zero).
+inline void narrow_row(const float* src, at::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512BF16__)
+  for (; i + 16 <= n; i += 16) {
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<const __m256i&>(b));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
+}
+
+// out[t] = rms_norm(r[t] += x[t], or x[t]) * w for X, O in {float, bf16}; fp32 arithmetic, residual fp32.
+template <typename X, typename O>
+void norm_rows(const X* xp, float* r, O* op, const float* w, int64_t T, int64_t N, int64_t xs, int64_t rs, int64_t os,
+               float eps) {
+  at::parallel_for(0, T, grain(N), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(N);
+    for (int64_t t = begin; t < end; ++t) {
+      const X* xr = xp + t * xs;
+      float* src = buf.data();
+      if (r != nullptr) {
+        src = r + t * rs;
+#pragma omp simd
+        for (int64_t i = 0; i < N; ++i) src[i] += widen(xr[i]);
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < N; ++i) src[i] = widen(xr[i]);
+      }
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < N; ++i) ss += src[i] * src[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(N) + eps);
+      float* dst = std::is_same_v<O, float> ? reinterpret_cast<float*>(op + t * os) : buf.data();
+#pragma omp simd
+      for (int64_t i = 0; i < N; ++i) dst[i] = w[i] * (src[i] * inv);
+      if constexpr (!std::is_same_v<O, float>) narrow_row(dst, op + t * os, N);
+    }
+  });
+}
+
 }  // namespace
 
 namespace pagoda {
+
+// out = rms_norm(residual += x, or x) * weight with x float32 or bf16 (a bf16 GEMM's product, widened exactly) and
+// out float32 or bf16 (the next bf16 GEMM's input).
+// NOTE: with bf16 CPU GEMMs this is the norm, its residual add and both casts around it in one pass: the bits are the
+// ones the casts gave (an exact widening before, the same fp32 norm, round to nearest even after).
+void rms_norm_to(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                 const at::Tensor& weight, double eps) {
+  const auto xt = x.scalar_type(), ot = out.scalar_type();
+  TORCH_CHECK((xt == at::kFloat || xt == at::kBFloat16) && (ot == at::kFloat || ot == at::kBFloat16),
+              "rms_norm_to: x and out must be float32 or bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.sizes() == x.sizes(),
+              "rms_norm_to: expected 2-D tensors of one shape with contiguous rows");
+  const int64_t T = x.size(0), N = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == N,
+              "rms_norm_to: weight must be a contiguous float32 vector of the hidden size");
+  float* r = nullptr;
+  int64_t rs = 0;
+  if (residual.has_value()) {
+    check_rows(*residual, "rms_norm_to");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "rms_norm_to: residual shape does not match");
+    r = residual->data_ptr<float>();
+    rs = residual->stride(0);
+  }
+  const float* w = weight.data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  auto run = [&](auto* xp) {
+    if (ot == at::kBFloat16) {
+      norm_rows(xp, r, out.data_ptr<at::BFloat16>(), w, T, N, xs, rs, os, feps);
+    } else {
+      norm_rows(xp, r, out.data_ptr<float>(), w, T, N, xs, rs, os, feps);
+    }
+  };
+  if (xt == at::kBFloat16) {
+    run(x.data_ptr<at::BFloat16>());
+  } else {
+    run(x.data_ptr<float>());
+  }
+}
 
 // out[t] = silu(x[t, :I]) * x[t, I:], float32 or bf16 in and out (the same dtype), fp32 arithmetic.
 // NOTE: bf16 with bf16 CPU GEMMs: gate/up's bf16 product comes in as is and the output is the down projection's
@@ -142,6 +238,7 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
+  m.def("rms_norm_to(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def(
       "rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
 }
@@ -149,5 +246,6 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
   m.impl("silu_and_mul", &pagoda::silu_and_mul);
   m.impl("add_rms_norm", &pagoda::add_rms_norm);
+  m.impl("rms_norm_to", &pagoda::rms_norm_to);
   m.impl("rotary_embedding", &pagoda::rotary_embedding);
 }
