@@ -1,6 +1,7 @@
-"""With bf16 CPU GEMMs the RMSNorm reads o_proj's and down's bf16 products and writes the next GEMM's bf16 input
-(kernels/cpu/fused_ops.cpp `rms_norm_to`, layer_ops.NativeCpuBf16Ops, and the native decode step): the bits of the
-casts it replaces, checked against them op by op and through a whole runner."""
+"""With bf16 CPU GEMMs the RMSNorm reads o_proj's and down's bf16 products and writes the next GEMM's bf16 input,
+and the rotary reads qkv's (kernels/cpu/fused_ops.cpp `rms_norm_to` and `rotary_embedding_to`,
+layer_ops.NativeCpuBf16Ops, and the native decode step): the bits of the casts they replace, checked against them op
+by op and through a whole runner."""
 
 from __future__ import annotations
 
@@ -49,6 +50,20 @@ def test_rms_norm_to_gives_the_bits_of_the_casts_around_the_fp32_norm(
     if residual is not None:
         assert res is not None and want_res is not None and torch.equal(res, want_res)
         assert not torch.equal(res, residual)  # the residual add happened in place
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels")
+def test_rotary_embedding_to_gives_the_bits_of_the_cast_and_the_rotation() -> None:
+    torch.manual_seed(0)
+    heads, kv_heads, d, t = 9, 3, 64, 21
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d).bfloat16()
+    cos, sin = torch.randn(t, d), torch.randn(t, d)
+    want = qkv.float()
+    cpu_kernels.rotary_embedding(want, cos, sin, heads + kv_heads, d)
+    out = torch.empty(qkv.shape)
+    cpu_kernels.rotary_embedding_to(out, qkv, cos, sin, heads + kv_heads, d)
+    assert torch.equal(out, want)
+    assert torch.equal(out[:, (heads + kv_heads) * d :], qkv[:, (heads + kv_heads) * d :].float())  # v: widened only
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no native CPU kernels")
@@ -110,7 +125,7 @@ def test_a_bf16_runner_gives_the_bits_of_the_casts_with_the_norm_hand_off(tiny_d
     for layer in runner.model.layers:
         for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp):
             module.ops = plain
-        for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
             assert proj.cpu_forms is not None and proj.cpu_forms.bf16_out
             proj.cpu_forms.bf16_out = False
     runner.model.norm.ops = plain

@@ -219,10 +219,13 @@ class LlamaForCausalLM(nn.Module):
                 module.ops = ops
             if isinstance(module, MLP):
                 module.hand_off_bf16(ops.silu_reads_bf16)
-            if isinstance(module, Attention | MLP):
-                out_proj = module.o_proj if isinstance(module, Attention) else module.down_proj
-                if out_proj.cpu_forms is not None:  # their bf16 products go into the next norm as they are
-                    out_proj.cpu_forms.bf16_out = ops.norm_reads_bf16
+            # the bf16 products that go into the rotary or the next norm as they are
+            products = (module.qkv_proj, module.o_proj) if isinstance(module, Attention) else ()
+            if isinstance(module, MLP):
+                products = (module.down_proj,)
+            for proj in products:
+                if proj.cpu_forms is not None:
+                    proj.cpu_forms.bf16_out = ops.reads_bf16_products
         self.norm.ops = ops.fp32_out()
 
     # checkpoint projection -> (fused layer, shard): the fused layer's `weight_loader` stacks the shards

@@ -159,6 +159,13 @@ def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_
     torch.ops.pagoda_cpu.rotary_embedding(x, cos, sin, num_heads, head_dim)
 
 
+def rotary_embedding_to(
+    out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int
+) -> None:
+    """`out` = bf16 `x` widened to float32, its first `num_heads` heads rotated (as `rotary_embedding`)."""
+    torch.ops.pagoda_cpu.rotary_embedding_to(out, x, cos, sin, num_heads, head_dim)
+
+
 def panel_pack(weight: torch.Tensor) -> torch.Tensor:
     """W `[N, K]` float32 -> column panels `[ceil(N/16), K, 16]` (zero-padded) for `panel_linear`; once, at load."""
     return torch.ops.pagoda_cpu.panel_pack(weight)

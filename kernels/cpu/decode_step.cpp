@@ -103,7 +103,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
   std::vector<c10::optional<at::Tensor>> coded_v(coded.begin(), coded.end()), onednn_v(onednn.begin(), onednn.end());
   auto forms = [&](int64_t p) { return Forms{out_features[p], plain_v[p], panels_v[p], coded_v[p], onednn_v[p]}; };
   // NOTE: with bf16 weights in oneDNN's GEMMs (from onednn_m rows, without codes below), the norms write the next
-  // GEMM's bf16 input and read o/down's bf16 products, in place of a cast on each side (fused_ops.cpp, rms_norm_to).
+  // GEMM's bf16 input and read o/down's bf16 products, and the rotary reads qkv's, in place of a cast on each side
+  // (fused_ops.cpp, rms_norm_to and rotary_embedding_to).
   const bool bf16 = onednn_v[0].has_value() && onednn_v[0]->scalar_type() == at::kBFloat16 && B >= coded_m &&
                     B >= onednn_m && B < large_m;
   const auto norm_opts = bf16 ? opts.dtype(at::kBFloat16) : opts;
@@ -122,8 +123,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
       x = h;
     }
     at::Tensor qkv =
-        project(gemms, x, forms(4 * l), qkv_biases.empty() ? c10::optional<at::Tensor>() : qkv_biases[l]);
-    rotary_embedding(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
+        project(gemms, x, forms(4 * l), qkv_biases.empty() ? c10::optional<at::Tensor>() : qkv_biases[l], bf16);
+    if (qkv.scalar_type() == at::kBFloat16) {
+      at::Tensor qkv32 = at::empty(qkv.sizes(), opts);
+      rotary_embedding_to(qkv32, qkv, cos, sin, num_heads + num_kv_heads, head_dim);
+      qkv = qkv32;
+    } else {
+      rotary_embedding(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
+    }
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({B, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, head_dim});

@@ -233,6 +233,46 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
   });
 }
 
+// out = x widened to float32, then its first `num_heads` heads rotated as rotary_embedding does: qkv's bf16 product
+// (bf16 CPU GEMMs) into the fp32 q/k/v that attention reads, one pass instead of a cast and a rotation.
+void rotary_embedding_to(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                         int64_t num_heads, int64_t head_dim) {
+  check_rows(out, "rotary_embedding_to");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 && x.sizes() == out.sizes(),
+              "rotary_embedding_to: x must be a bf16 [T, width] with contiguous rows, out's shape");
+  check_rows(cos, "rotary_embedding_to");
+  check_rows(sin, "rotary_embedding_to");
+  const int64_t T = x.size(0), W = x.size(1), half = head_dim / 2;
+  TORCH_CHECK(head_dim % 2 == 0 && num_heads * head_dim <= W && cos.size(0) == T && cos.size(1) == head_dim &&
+                  sin.sizes() == cos.sizes(),
+              "rotary_embedding_to: shapes do not match");
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  float* op = out.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t xs = x.stride(0), os = out.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  at::parallel_for(0, T, grain(W), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const at::BFloat16* xr = xp + t * xs;
+      float* o = op + t * os;
+#pragma omp simd
+      for (int64_t i = 0; i < W; ++i) o[i] = widen(xr[i]);
+      const float* c = cp + t * cs;
+      const float* s = sp + t * ss;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float* a = o + h * head_dim;
+        float* b = a + half;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = a[i], x2 = b[i];
+          a[i] = x1 * c[i] - x2 * s[i];
+          b[i] = x2 * c[i + half] + x1 * s[i + half];
+        }
+      }
+    }
+  });
+}
+
 }  // namespace pagoda
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
@@ -241,6 +281,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def("rms_norm_to(Tensor(a!) out, Tensor x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.def(
       "rotary_embedding(Tensor(a!) x, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
+  m.def(
+      "rotary_embedding_to(Tensor(a!) out, Tensor x, Tensor cos, Tensor sin, int num_heads, int head_dim) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
@@ -248,4 +290,5 @@ TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
   m.impl("add_rms_norm", &pagoda::add_rms_norm);
   m.impl("rms_norm_to", &pagoda::rms_norm_to);
   m.impl("rotary_embedding", &pagoda::rotary_embedding);
+  m.impl("rotary_embedding_to", &pagoda::rotary_embedding_to);
 }

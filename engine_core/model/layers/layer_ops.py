@@ -40,8 +40,9 @@ class LayerOps:
     name = "torch"
     # whether silu_and_mul takes a bf16 gate/up product and returns bf16 with fp32 arithmetic (MLP.hand_off_bf16)
     silu_reads_bf16 = False
-    # whether add_rms_norm takes bf16 x (o_proj's and down's bf16 products: LlamaForCausalLM.use_layer_ops)
-    norm_reads_bf16 = False
+    # whether add_rms_norm and split_rotate_qkv take bf16 x (qkv's, o_proj's and down's bf16 products:
+    # LlamaForCausalLM.use_layer_ops)
+    reads_bf16_products = False
 
     def for_bf16_gemms(self, from_rows: int) -> LayerOps:
         """These ops for a model whose linears run bf16 GEMMs from `from_rows` rows (no change by default)."""
@@ -115,12 +116,13 @@ class NativeCpuOps(LayerOps):
 
 class NativeCpuBf16Ops(NativeCpuOps):
     """The native ops around bf16 GEMMs (model/layers/cpu_bfloat16.py): from `from_rows` rows the norm reads the
-    previous GEMM's bf16 product and writes the next GEMM's bf16 input, one pass each instead of a cast on either
-    side; the residual and the norm's arithmetic stay fp32, and the bits are the casts' (kernels/cpu/fused_ops.cpp,
-    rms_norm_to). Below `from_rows` the GEMMs read fp32 (GGUF codes), so the norm writes fp32."""
+    previous GEMM's bf16 product and writes the next GEMM's bf16 input, and the rotary reads qkv's bf16 product, one
+    pass each instead of a cast on either side; the residual, q/k/v and the arithmetic stay fp32, and the bits are
+    the casts' (kernels/cpu/fused_ops.cpp, rms_norm_to and rotary_embedding_to). Below `from_rows` the GEMMs read
+    fp32 (GGUF codes), so the norm writes fp32."""
 
     name = "native-cpu-bf16"
-    norm_reads_bf16 = True
+    reads_bf16_products = True
 
     def __init__(self, from_rows: int) -> None:
         self.from_rows = from_rows
@@ -131,6 +133,17 @@ class NativeCpuBf16Ops(NativeCpuOps):
         out = torch.empty(x.shape, dtype=torch.bfloat16 if x.shape[0] >= self.from_rows else torch.float32)
         cpu_kernels.rms_norm_to(out, x, residual, weight, eps)
         return out, x if residual is None else residual  # NOTE: the first layer's x is the fp32 embedding
+
+    def split_rotate_qkv(
+        self, qkv: torch.Tensor, cos_sin: CosSin, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if qkv.dtype != torch.bfloat16:  # a GGUF-coded product (below from_rows)
+            return super().split_rotate_qkv(qkv, cos_sin, num_heads, num_kv_heads, head_dim)
+        t = qkv.shape[0]
+        cos, sin = cos_sin
+        out = torch.empty(qkv.shape, dtype=torch.float32)
+        cpu_kernels.rotary_embedding_to(out, qkv, cos.view(t, -1), sin.view(t, -1), num_heads + num_kv_heads, head_dim)
+        return _split(out, num_heads, num_kv_heads, head_dim)
 
     def fp32_out(self) -> LayerOps:
         return NativeCpuBf16Ops(NEVER)
