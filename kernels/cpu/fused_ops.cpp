@@ -19,7 +19,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -35,21 +35,42 @@ void check_rows(const at::Tensor& t, const char* name) {
 // Rows per parallel task: enough work (~16K floats) per task that the thread hand-off is worth it.
 int64_t grain(int64_t row_len) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(row_len, 1)); }
 
-inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;  // exact: bf16 is fp32's top half
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
+// sum of p[i]^2: one out-of-line copy for every norm, so that each vectorizes it alike (the partial sums' order, and
+// with it the bits, would otherwise follow each caller's inlining).
+__attribute__((noinline)) float sum_squares(const float* p, int64_t n) {
+  float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t i = 0; i < n; ++i) ss += p[i] * p[i];
+  return ss;
 }
 
-// dst = bf16(src), round to nearest even (torch's .to(bfloat16); AVX-512 BF16 also flushes denormals to zero).
+// NOTE: bf16 <-> fp32 a row at a time in vector registers: element-wise conversions inside the arithmetic loops kept
+// GCC from vectorizing them (SiLU-and-mul on bf16 ran ~4x slower than on float32, scalar expf included).
+// dst = src widened to fp32 (exact: bf16 is fp32's top half).
+inline void widen_row(const at::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// dst = bf16(src), round to nearest even with NaN kept a quiet NaN: c10::BFloat16's conversion (torch's .to), bit
+// for bit, denormals included (AVX-512 BF16's VCVTNEPS2BF16 would flush those).
 inline void narrow_row(const float* src, at::BFloat16* dst, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF), qnan = _mm512_set1_epi32(0x7FC0);
   for (; i + 16 <= n; i += 16) {
-    const __m256bh b = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<const __m256i&>(b));
+    const __m512 v = _mm512_loadu_ps(src + i);
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), one), half);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, bias), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), qnan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(r));
   }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<at::BFloat16>(src[i]);
@@ -62,20 +83,22 @@ void norm_rows(const X* xp, float* r, O* op, const float* w, int64_t T, int64_t 
   at::parallel_for(0, T, grain(N), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(N);
     for (int64_t t = begin; t < end; ++t) {
-      const X* xr = xp + t * xs;
+      const float* xr = nullptr;
+      if constexpr (std::is_same_v<X, float>) {
+        xr = xp + t * xs;
+      } else {
+        widen_row(xp + t * xs, buf.data(), N);
+        xr = buf.data();
+      }
       float* src = buf.data();
       if (r != nullptr) {
         src = r + t * rs;
 #pragma omp simd
-        for (int64_t i = 0; i < N; ++i) src[i] += widen(xr[i]);
-      } else {
-#pragma omp simd
-        for (int64_t i = 0; i < N; ++i) src[i] = widen(xr[i]);
+        for (int64_t i = 0; i < N; ++i) src[i] += xr[i];
+      } else if (xr != src) {
+        std::copy(xr, xr + N, src);
       }
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < N; ++i) ss += src[i] * src[i];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(N) + eps);
+      const float inv = 1.0f / std::sqrt(sum_squares(src, N) / static_cast<float>(N) + eps);
       float* dst = std::is_same_v<O, float> ? reinterpret_cast<float*>(op + t * os) : buf.data();
 #pragma omp simd
       for (int64_t i = 0; i < N; ++i) dst[i] = w[i] * (src[i] * inv);
@@ -147,6 +170,21 @@ void silu_rows(const T* xp, T* op, int64_t T_, int64_t I, int64_t xs, int64_t os
   });
 }
 
+// The bf16 form: a row widened into fp32, the float32 loop's arithmetic, the product rounded once.
+void silu_rows_bf16(const at::BFloat16* xp, at::BFloat16* op, int64_t T_, int64_t I, int64_t xs, int64_t os) {
+  at::parallel_for(0, T_, grain(I), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(2 * I);
+    float* g = buf.data();
+    const float* u = g + I;
+    for (int64_t t = begin; t < end; ++t) {
+      widen_row(xp + t * xs, g, 2 * I);
+#pragma omp simd
+      for (int64_t i = 0; i < I; ++i) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+      narrow_row(g, op + t * os, I);
+    }
+  });
+}
+
 void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "silu_and_mul: float32 or bfloat16 only");
@@ -156,7 +194,7 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
   const int64_t T = x.size(0), I = x.size(1) / 2;
   TORCH_CHECK(x.size(1) == 2 * I && out.size(0) == T && out.size(1) == I, "silu_and_mul: shapes do not match");
   if (bf16) {
-    silu_rows(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), T, I, x.stride(0), out.stride(0));
+    silu_rows_bf16(x.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), T, I, x.stride(0), out.stride(0));
   } else {
     silu_rows(x.data_ptr<float>(), out.data_ptr<float>(), T, I, x.stride(0), out.stride(0));
   }
@@ -190,10 +228,7 @@ void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual, const
         for (int64_t i = 0; i < N; ++i) rr[i] += xr[i];
         src = rr;
       }
-      float ss = 0.0f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < N; ++i) ss += src[i] * src[i];
-      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(N) + feps);
+      const float inv = 1.0f / std::sqrt(sum_squares(src, N) / static_cast<float>(N) + feps);
 #pragma omp simd
       for (int64_t i = 0; i < N; ++i) xr[i] = w[i] * (src[i] * inv);
     }
@@ -255,8 +290,7 @@ void rotary_embedding_to(at::Tensor out, const at::Tensor& x, const at::Tensor& 
     for (int64_t t = begin; t < end; ++t) {
       const at::BFloat16* xr = xp + t * xs;
       float* o = op + t * os;
-#pragma omp simd
-      for (int64_t i = 0; i < W; ++i) o[i] = widen(xr[i]);
+      widen_row(xr, o, W);
       const float* c = cp + t * cs;
       const float* s = sp + t * ss;
       for (int64_t h = 0; h < num_heads; ++h) {
