@@ -210,11 +210,23 @@ class LlamaForCausalLM(nn.Module):
         """RMSNorm (+ residual add), rotary and SiLU-and-mul run as `ops` (layer_ops.py: eager torch, the fused native
         CPU ops or the fused Triton kernels), the model runner's choice for its device and attention backend. (A
         decode-only step in one native call is a step function: model/native_decode.py.)"""
+        forms = self.layers[0].mlp.gate_up_proj.cpu_forms
+        bf16 = forms is not None and forms.onednn is not None and forms.onednn.dtype == torch.bfloat16
+        if bf16 and self.tp.size == 1:  # NOTE: not under TP, where the ranks' products are summed in fp32
+            ops = ops.for_bf16_gemms(forms.rows.coded_m)
         for module in self.modules():
             if isinstance(module, RMSNorm | Attention | MLP):
                 module.ops = ops
             if isinstance(module, MLP):
                 module.hand_off_bf16(ops.silu_reads_bf16)
+            # the bf16 products that go into the rotary or the next norm as they are
+            products = (module.qkv_proj, module.o_proj) if isinstance(module, Attention) else ()
+            if isinstance(module, MLP):
+                products = (module.down_proj,)
+            for proj in products:
+                if proj.cpu_forms is not None:
+                    proj.cpu_forms.bf16_out = ops.reads_bf16_products
+        self.norm.ops = ops.fp32_out()
 
     # checkpoint projection -> (fused layer, shard): the fused layer's `weight_loader` stacks the shards
     packed_modules: ClassVar[dict[str, tuple[str, int]]] = {

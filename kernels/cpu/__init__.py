@@ -147,10 +147,24 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     torch.ops.pagoda_cpu.add_rms_norm(x, residual, weight, eps)
 
 
+def rms_norm_to(
+    out: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> None:
+    """`out = rms_norm(residual += x, or x) * weight`; x and out float32 or bf16 (fp32 arithmetic), residual fp32."""
+    torch.ops.pagoda_cpu.rms_norm_to(out, x, residual, weight, eps)
+
+
 def rotary_embedding(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int) -> None:
     """In place, rotate-half form, on the first `num_heads` heads of each row of x `[T, >= num_heads * head_dim]`;
     cos/sin `[T, head_dim]` are the rows for each token's position."""
     torch.ops.pagoda_cpu.rotary_embedding(x, cos, sin, num_heads, head_dim)
+
+
+def rotary_embedding_to(
+    out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int, head_dim: int
+) -> None:
+    """`out` = bf16 `x` widened to float32, its first `num_heads` heads rotated (as `rotary_embedding`)."""
+    torch.ops.pagoda_cpu.rotary_embedding_to(out, x, cos, sin, num_heads, head_dim)
 
 
 def panel_pack(weight: torch.Tensor) -> torch.Tensor:

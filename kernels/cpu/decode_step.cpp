@@ -119,33 +119,55 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
   auto forms = [&](int64_t p) {
     return Forms{out_features[p], plain_v[p], panels_v[p], coded_v[p], onednn_v[p], int8_v[p], int8_s[p]};
   };
+  // NOTE: with bf16 weights in oneDNN's GEMMs (from onednn_m rows, without codes below), the norms write the next
+  // GEMM's bf16 input and read o/down's bf16 products, and the rotary reads qkv's, in place of a cast on each side
+  // (fused_ops.cpp, rms_norm_to and rotary_embedding_to).
+  const bool bf16 = onednn_v[0].has_value() && onednn_v[0]->scalar_type() == at::kBFloat16 && B >= coded_m &&
+                    B >= onednn_m && B < large_m;
+  const auto norm_opts = bf16 ? opts.dtype(at::kBFloat16) : opts;
   at::Tensor residual;
   for (int64_t l = 0; l < L; ++l) {
     at::Tensor x;
     if (l == 0) {
       residual = h;
-      x = h.clone();
-      add_rms_norm(x, c10::nullopt, norms[0], eps);
+      x = at::empty_like(h, norm_opts);
+      rms_norm_to(x, h, c10::nullopt, norms[0], eps);
+    } else if (bf16) {
+      x = at::empty({B, h.size(1)}, norm_opts);
+      rms_norm_to(x, h, residual, norms[2 * l], eps);  // residual += h; x = norm(residual)
     } else {
       add_rms_norm(h, residual, norms[2 * l], eps);  // residual += h; h = norm(residual)
       x = h;
     }
     at::Tensor qkv =
-        project(gemms, x, forms(4 * l), qkv_biases.empty() ? c10::optional<at::Tensor>() : qkv_biases[l]);
-    rotary_embedding(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
+        project(gemms, x, forms(4 * l), qkv_biases.empty() ? c10::optional<at::Tensor>() : qkv_biases[l], bf16);
+    if (qkv.scalar_type() == at::kBFloat16) {
+      at::Tensor qkv32 = at::empty(qkv.sizes(), opts);
+      rotary_embedding_to(qkv32, qkv, cos, sin, num_heads + num_kv_heads, head_dim);
+      qkv = qkv32;
+    } else {
+      rotary_embedding(qkv, cos, sin, num_heads + num_kv_heads, head_dim);
+    }
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({B, num_heads, head_dim});
     const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({B, num_kv_heads, head_dim});
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({B, num_kv_heads, head_dim});
     store_kv(kv_caches[l], k, v, slot_mapping);
     at::Tensor attn = at::empty({B, num_heads, head_dim}, opts);
     paged_decode_attention(attn, q, kv_caches[l], block_tables, seq_lens, scale);
-    h = project(gemms, attn.view({B, q_size}), forms(4 * l + 1), c10::nullopt);
-    add_rms_norm(h, residual, norms[2 * l + 1], eps);
-    at::Tensor gate_up = project(gemms, h, forms(4 * l + 2), c10::nullopt, /*bf16_out=*/true);
+    h = project(gemms, attn.view({B, q_size}), forms(4 * l + 1), c10::nullopt, bf16);
+    if (bf16) {
+      x = at::empty({B, h.size(1)}, norm_opts);
+      rms_norm_to(x, h, residual, norms[2 * l + 1], eps);
+    } else {
+      add_rms_norm(h, residual, norms[2 * l + 1], eps);
+      x = h;
+    }
+    at::Tensor gate_up = project(gemms, x, forms(4 * l + 2), c10::nullopt, /*bf16_out=*/true);
     at::Tensor act = at::empty({B, gate_up.size(1) / 2}, gate_up.options());  // bf16 from a bf16 GEMM
     silu_and_mul(act, gate_up);
-    h = project(gemms, act, forms(4 * l + 3), c10::nullopt);
+    h = project(gemms, act, forms(4 * l + 3), c10::nullopt, bf16);
   }
+  // h: the last down projection's product, bf16 with `bf16` (the final norm reads either)
   return {h, residual};
 }
 

@@ -13,8 +13,12 @@ void paged_prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tens
 void store_kv(at::Tensor kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_mapping);
 void silu_and_mul(at::Tensor out, const at::Tensor& x);
 void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps);
+void rms_norm_to(at::Tensor out, const at::Tensor& x, const c10::optional<at::Tensor>& residual,
+                 const at::Tensor& weight, double eps);
 void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
                       int64_t head_dim);
+void rotary_embedding_to(at::Tensor out, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                         int64_t num_heads, int64_t head_dim);
 at::Tensor panel_pack(const at::Tensor& weight);
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 // out[:, n0 : n0 + 16 * count] (within N) = x @ W^T (+ bias) for M rows of x, W's columns as `count` (1 or 2)

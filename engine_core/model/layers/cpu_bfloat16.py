@@ -1,10 +1,11 @@
 """CPU bfloat16 linears: the weight resident as bf16 packed for oneDNN, whose AVX-512 BF16 / AMX kernels multiply
-bf16 inputs with fp32 accumulation; activations stay float32 between the GEMMs (norms, rotary, attention, softmax,
-sampling and the KV cache in fp32, through the same native kernels as float32).
+bf16 inputs with fp32 accumulation; the arithmetic between the GEMMs stays fp32 (norms, rotary, attention, softmax,
+sampling, the residual stream), the native ops beside the GEMMs reading and writing their bf16 inputs and products
+(layer_ops.NativeCpuBf16Ops; a product whose consumer reads bf16 is returned as is: `CpuWeightForms.bf16_out`).
 
-NOTE: why bf16 only inside the GEMMs: they are ~90 % of a step's time and oneDNN's bf16 GEMM runs at twice the fp32
-rate from 16 rows up (docs/benchmarks.md, "bfloat16 on CPU"); casting x to bf16 and the product back costs ~5 % of
-the GEMM, and keeps every other op exact in fp32 with no second set of kernels.
+NOTE: why bf16 only inside the GEMMs: they are ~90 % of a float32 step's time and oneDNN's bf16 GEMM runs at twice
+the fp32 rate from 16 rows up (docs/benchmarks.md, "bfloat16 on CPU"), while rounding the residual or a norm's sums
+would compound over the layers.
 A weight that is exactly GGUF blocks decoded keeps its codes for rows below `BF16_CODED_M` (fewer bytes per token at
 batch 1, and exact); every other row count, and every weight without codes, runs oneDNN bf16.
 """
@@ -70,7 +71,8 @@ def bf16_gemm_rows() -> CpuGemmRows:
 
 class CpuBfloat16Method(CpuFloat32Method):
     """Keeps the weight's GGUF codes where `rows.coded_m` reads them, and one bf16 oneDNN copy for every other row
-    count (no float32 panels or plain copy); `cpu_gemm` casts x to bf16 for it and the product back to fp32."""
+    count (no float32 panels or plain copy); `cpu_gemm` casts an fp32 x to bf16 for it and the product back to fp32
+    unless its consumer reads bf16."""
 
     name = "cpu-bfloat16"
 

@@ -26,8 +26,9 @@ class CpuWeightForms:
     panels: torch.Tensor | None  # `panel_pack` panels: rows below rows.onednn_m without codes
     onednn: torch.Tensor | None  # oneDNN packed: rows from rows.onednn_m
     plain: torch.Tensor | None  # float32 [out, in] for MKL: rows from rows.large_m
-    # NOTE: set by the model where the consumer reads bf16 (MLP.hand_off_bf16: gate/up into the native SiLU-and-mul):
-    # a bf16 oneDNN product is returned as is, not widened to fp32 and rounded again for the next GEMM.
+    # NOTE: set by the model where the consumer reads bf16 (gate/up into the native SiLU-and-mul, qkv into the rotary,
+    # o_proj and down into the next norm: LlamaForCausalLM.use_layer_ops): a bf16 oneDNN product is returned as is,
+    # not widened to fp32 in a pass of its own.
     bf16_out: bool = False
     int8: Int8Weight | None = None  # int8 codes per channel (cpu_int8.py): every row count, no other form
 

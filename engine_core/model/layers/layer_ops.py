@@ -17,6 +17,7 @@ import importlib
 import torch
 from torch import nn
 
+from engine_core.model.layers.cpu_gemm_rows import NEVER
 from kernels import cpu as cpu_kernels
 
 CosSin = tuple[torch.Tensor, torch.Tensor]  # `[T, 1, head_dim]` rows for each token's position
@@ -39,6 +40,17 @@ class LayerOps:
     name = "torch"
     # whether silu_and_mul takes a bf16 gate/up product and returns bf16 with fp32 arithmetic (MLP.hand_off_bf16)
     silu_reads_bf16 = False
+    # whether add_rms_norm and split_rotate_qkv take bf16 x (qkv's, o_proj's and down's bf16 products:
+    # LlamaForCausalLM.use_layer_ops)
+    reads_bf16_products = False
+
+    def for_bf16_gemms(self, from_rows: int) -> LayerOps:
+        """These ops for a model whose linears run bf16 GEMMs from `from_rows` rows (no change by default)."""
+        return self
+
+    def fp32_out(self) -> LayerOps:
+        """These ops for the final norm, whose output (the hidden states) stays float32."""
+        return self
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -97,6 +109,44 @@ class NativeCpuOps(LayerOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.silu_and_mul(gate_up)
+
+    def for_bf16_gemms(self, from_rows: int) -> LayerOps:
+        return NativeCpuBf16Ops(from_rows)
+
+
+class NativeCpuBf16Ops(NativeCpuOps):
+    """The native ops around bf16 GEMMs (model/layers/cpu_bfloat16.py): from `from_rows` rows the norm reads the
+    previous GEMM's bf16 product and writes the next GEMM's bf16 input, and the rotary reads qkv's bf16 product, one
+    pass each instead of a cast on either side; the residual, q/k/v and the arithmetic stay fp32, and the bits are
+    the casts' (kernels/cpu/fused_ops.cpp, rms_norm_to and rotary_embedding_to). Below `from_rows` the GEMMs read
+    fp32 (GGUF codes), so the norm writes fp32."""
+
+    name = "native-cpu-bf16"
+    reads_bf16_products = True
+
+    def __init__(self, from_rows: int) -> None:
+        self.from_rows = from_rows
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = torch.empty(x.shape, dtype=torch.bfloat16 if x.shape[0] >= self.from_rows else torch.float32)
+        cpu_kernels.rms_norm_to(out, x, residual, weight, eps)
+        return out, x if residual is None else residual  # NOTE: the first layer's x is the fp32 embedding
+
+    def split_rotate_qkv(
+        self, qkv: torch.Tensor, cos_sin: CosSin, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if qkv.dtype != torch.bfloat16:  # a GGUF-coded product (below from_rows)
+            return super().split_rotate_qkv(qkv, cos_sin, num_heads, num_kv_heads, head_dim)
+        t = qkv.shape[0]
+        cos, sin = cos_sin
+        out = torch.empty(qkv.shape, dtype=torch.float32)
+        cpu_kernels.rotary_embedding_to(out, qkv, cos.view(t, -1), sin.view(t, -1), num_heads + num_kv_heads, head_dim)
+        return _split(out, num_heads, num_kv_heads, head_dim)
+
+    def fp32_out(self) -> LayerOps:
+        return NativeCpuBf16Ops(NEVER)
 
 
 class TritonOps(LayerOps):
