@@ -2,7 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pagoda-installed
-PYTEST_ARGS ?=
+# NOTE: the 30 slowest tests end every run's log, so CI shows where the suite's wall time goes.
+PYTEST_ARGS ?= --durations=30
 
 .PHONY: install proto kernels tools test test-fast serve bench gpu-check gpu-wheels lint format clean
 

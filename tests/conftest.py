@@ -1,4 +1,5 @@
-"""Shared fixtures: the real SmolLM2 weights (converted once, cached), its tokenizer, and a tiny random Llama."""
+"""Shared fixtures: the real SmolLM2 weights (converted once, cached), its tokenizer, one float32 engine and one
+transformers reference model on them for the whole session, and tiny random Llamas."""
 
 from __future__ import annotations
 
@@ -44,6 +45,31 @@ def smollm2_hf_tokenizer(smollm2_dir: str):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.fixture(scope="session")
+def offline_llm(smollm2_dir: str):
+    """One float32 engine on SmolLM2 for every test that only generates with it (the services' offline reference,
+    greedy and beam equality, the float32 side of the bf16/int8 quality tests, the offline API tests).
+    NOTE: shared because each load decodes the GGUF file again (seconds per engine); a test that needs its own
+    engine settings, an empty prefix cache or a blank scheduler builds its own. Its prefix cache outlives a test:
+    cached blocks count as free, and requests with prompt_logprobs bypass it."""
+    from engine_core import LLM
+
+    return LLM(smollm2_dir, dtype="float32", kv_cache_memory=0.5)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_dir: str) -> torch.nn.Module:
+    """transformers' own float32 model of SmolLM2, the reference: it decodes the GGUF file itself, so it shares none
+    of Pagoda's loading code. Read only (forward passes and generate)."""
+    from transformers import AutoModelForCausalLM
+
+    from engine_core.checkpoint.model_dir import transformers_kwargs
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm2_dir, dtype=torch.float32, **transformers_kwargs(smollm2_dir)
+    ).eval()
 
 
 @pytest.fixture(scope="session")

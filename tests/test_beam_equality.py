@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine_core import LLM, BeamSearchParams
-from engine_core.checkpoint.model_dir import transformers_kwargs
 from tests.hf_reference import hf_beams
 
 pytestmark = pytest.mark.slow
@@ -24,15 +22,13 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_dir: str) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_dir, dtype=torch.float32, **transformers_kwargs(smollm2_dir)
-    ).eval()
+def hf_model(smollm2_hf_model: torch.nn.Module) -> torch.nn.Module:
+    return smollm2_hf_model
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_dir: str) -> LLM:
-    return LLM(smollm2_dir, kv_cache_memory=0.5)
+def llm(offline_llm: LLM) -> LLM:
+    return offline_llm
 
 
 @pytest.mark.parametrize(

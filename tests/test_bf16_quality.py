@@ -41,9 +41,9 @@ def _top1(llm: LLM, texts: list[list[int]]) -> list[list[tuple[int, float]]]:
 
 
 @pytest.fixture(scope="module")
-def float32_reference(smollm2_dir: str, smollm2_tokenizer) -> tuple[list[list[int]], list[list[tuple[int, float]]]]:
+def float32_reference(offline_llm: LLM, smollm2_tokenizer) -> tuple[list[list[int]], list[list[tuple[int, float]]]]:
     """The teacher-forced texts and float32's top token (and its log-probability) at every position."""
-    fp32 = LLM(smollm2_dir, dtype="float32", kv_cache_memory=0.5)
+    fp32 = offline_llm
     prompts = [list(smollm2_tokenizer.encode(p)) for p in PROMPTS]
     outs = fp32.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     texts = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]

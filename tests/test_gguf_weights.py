@@ -138,8 +138,8 @@ def test_the_default_models_directory_links_its_gguf_file_and_holds_no_weights(s
 
 
 @pytest.mark.slow
-def test_the_default_models_tensors_are_transformers_tensors_bit_for_bit(smollm2_dir: str) -> None:
-    ref = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, **transformers_kwargs(smollm2_dir))
+def test_the_default_models_tensors_are_transformers_tensors_bit_for_bit(smollm2_hf_model: torch.nn.Module) -> None:
+    ref = smollm2_hf_model
     ours = dict(iter_gguf_weights(default_model_path(), ref.config.num_attention_heads, ref.config.num_key_value_heads))
     state = ref.state_dict()
     assert sorted(ours) == sorted(k for k in state if k != "lm_head.weight")  # tied: the embedding serves both

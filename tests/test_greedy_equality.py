@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine_core import LLM, SamplingParams
-from engine_core.checkpoint.model_dir import transformers_kwargs
 from tests.hf_reference import hf_greedy
 
 pytestmark = pytest.mark.slow
@@ -44,11 +42,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_dir: str) -> torch.nn.Module:
-    # NOTE: transformers decodes the GGUF file itself: the reference shares none of Pagoda's loading code.
-    return AutoModelForCausalLM.from_pretrained(
-        smollm2_dir, dtype=torch.float32, **transformers_kwargs(smollm2_dir)
-    ).eval()
+def hf_model(smollm2_hf_model: torch.nn.Module) -> torch.nn.Module:
+    return smollm2_hf_model
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +91,11 @@ def test_preemption(smollm2_dir: str, prompt_ids: list[list[int]], reference: li
 
 
 def test_prefix_cache_hits(
-    smollm2_dir: str, hf_model: torch.nn.Module, prompt_ids: list[list[int]], reference: list[list[int]]
+    offline_llm: LLM, hf_model: torch.nn.Module, prompt_ids: list[list[int]], reference: list[list[int]]
 ) -> None:
-    llm = LLM(smollm2_dir, kv_cache_memory=0.5)
+    # NOTE: the session engine, whose cache may already hold some of these prompts: the first round's output is
+    # checked anyway, and a cold run's is test_all_at_once's.
+    llm = offline_llm
     first = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], GREEDY, use_tqdm=False)
     assert_same([o.outputs[0].token_ids for o in first], reference)
     # Second round: every prompt hits its own full blocks, short of the last token (which must be computed).
@@ -114,8 +111,8 @@ def test_prefix_cache_hits(
     assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, MAX_TOKENS)
 
 
-def test_logprobs_match_transformers(smollm2_dir: str, hf_model: torch.nn.Module, prompt_ids: list[list[int]]) -> None:
-    llm = LLM(smollm2_dir, kv_cache_memory=0.5)
+def test_logprobs_match_transformers(offline_llm: LLM, hf_model: torch.nn.Module, prompt_ids: list[list[int]]) -> None:
+    llm = offline_llm
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5, prompt_logprobs=3)
     prompts = prompt_ids[:4]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -145,9 +142,11 @@ SPEC_METHODS = {
 }
 
 
+# NOTE: each method once, and each token budget once: the budget only bounds the drafts' room (Scheduler, via
+# Drafter.propose's `room`), the same code for every method, so method x budget adds no path; suffix_default is
+# vLLM's suffix defaults (drafts up to 12 tokens: 13-row verification steps).
 @pytest.mark.parametrize(
-    ("method", "max_num_batched_tokens"),
-    [("ngram", 2048), ("ngram", 24), ("suffix", 2048), ("suffix", 24), ("suffix_default", 2048)],
+    ("method", "max_num_batched_tokens"), [("ngram", 24), ("suffix", 2048), ("suffix_default", 2048)]
 )
 def test_speculative_decoding(
     smollm2_dir: str, prompt_ids: list[list[int]], reference: list[list[int]], method: str, max_num_batched_tokens: int

@@ -27,13 +27,14 @@ MIN_TOP1_AGREEMENT = 0.87
 MAX_LOGPROB_DRIFT = 0.16  # mean |logprob_int8 - logprob_fp32| of float32's top token, nats
 
 
-def test_int8_picks_float32s_top_token_at_almost_every_position(smollm2_dir: str, smollm2_tokenizer) -> None:
-    fp32 = LLM(smollm2_dir, dtype="float32", kv_cache_memory=0.5)
+def test_int8_picks_float32s_top_token_at_almost_every_position(
+    smollm2_dir: str, smollm2_tokenizer, offline_llm: LLM
+) -> None:
+    fp32 = offline_llm
     prompts = [list(smollm2_tokenizer.encode(p)) for p in PROMPTS]
     outs = fp32.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     texts = [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs, strict=True)]
     want = _top1(fp32, texts)
-    del fp32
     got = _top1(LLM(smollm2_dir, quantization="int8", kv_cache_memory=0.5), texts)
     pairs = [(g, w) for gs, ws in zip(got, want, strict=True) for g, w in zip(gs, ws, strict=True)]
     agree = sum(g[0] == w[0] for g, w in pairs) / len(pairs)

@@ -16,8 +16,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_dir: str) -> LLM:
-    return LLM(smollm2_dir, kv_cache_memory=0.25)
+def llm(offline_llm: LLM) -> LLM:
+    return offline_llm
 
 
 def assert_pool_whole(llm: LLM) -> None:

@@ -168,20 +168,20 @@ def test_gguf_coded_shards_keep_their_codes(tmp_path: Path, smollm2_dir: str) ->
 
 
 @pytest.mark.slow
-def test_smollm2_at_three_ranks_equals_one_rank(smollm2_dir: str) -> None:
+def test_smollm2_at_three_ranks_equals_one_rank(smollm2_dir: str, offline_llm: LLM) -> None:
     """The real model in float32 (9 heads / 3 KV heads: one KV head per rank; its Q4_1 shards keep their codes) gives
     the single rank's greedy tokens on the greedy-equality prompts, and its logprobs within 1e-4 relative."""
     from tests.test_greedy_equality import MAX_TOKENS
     from tests.test_greedy_equality import PROMPTS as GREEDY_PROMPTS
 
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=5)
-    outs = {}
-    for size in (1, 3):
-        llm = LLM(smollm2_dir, dtype="float32", kv_cache_memory=0.1, tensor_parallel_size=size)
-        try:
-            outs[size] = [o.outputs[0] for o in llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)]
-        finally:
-            llm.shutdown()
+    # NOTE: the single rank is the session's float32 engine (tensor_parallel_size=1).
+    outs = {1: [o.outputs[0] for o in offline_llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)]}
+    llm = LLM(smollm2_dir, dtype="float32", kv_cache_memory=0.1, tensor_parallel_size=3)
+    try:
+        outs[3] = [o.outputs[0] for o in llm.generate(GREEDY_PROMPTS, params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
     for one, three in zip(outs[1], outs[3], strict=True):
         assert three.token_ids == one.token_ids
         assert _assert_close(three.logprobs, one.logprobs) > 0

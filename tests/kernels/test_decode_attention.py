@@ -10,6 +10,7 @@ from kernels.triton import choose_num_splits, decode_attention
 from kernels.triton.decode_attention import MAX_SPLITS, MIN_TOKENS_PER_SPLIT
 from tests.kernels.conftest import (
     CASE_DTYPES,
+    CASE_GROUPS,
     DEVICE,
     DTYPE_IDS,
     DTYPES,
@@ -22,7 +23,7 @@ from tests.kernels.conftest import (
 # interpreter stays quick. BLOCK_N is varied alongside: equal to, bigger than and smaller than the cache block.
 CASES = [
     pytest.param(bs, hd, g, dt, id=f"bs{bs}-d{hd}-gqa{g}-{DTYPE_IDS[dt]}")
-    for bs, hd, g, dt in itertools.product([16, 32], [64, 128], [1, 3, 4, 8], CASE_DTYPES)
+    for bs, hd, g, dt in itertools.product([16, 32], [64, 128], CASE_GROUPS, CASE_DTYPES)
 ]
 
 

@@ -7,12 +7,12 @@ import torch
 
 from kernels.reference import ref_prefill_attention
 from kernels.triton import prefill_attention, prefill_num_tiles, prefill_tile_map
-from tests.kernels.conftest import CASE_DTYPES, DEVICE, DTYPE_IDS, DTYPES, assert_close, make_paged_cache
+from tests.kernels.conftest import CASE_DTYPES, CASE_GROUPS, DEVICE, DTYPE_IDS, DTYPES, assert_close, make_paged_cache
 
 # (block_size, head_dim, gqa group, dtype): the full product, one KV head. BLOCK_M/BLOCK_N vary alongside.
 CASES = [
     pytest.param(bs, hd, g, dt, id=f"bs{bs}-d{hd}-gqa{g}-{DTYPE_IDS[dt]}")
-    for bs, hd, g, dt in itertools.product([16, 32], [64, 128], [1, 3, 4, 8], CASE_DTYPES)
+    for bs, hd, g, dt in itertools.product([16, 32], [64, 128], CASE_GROUPS, CASE_DTYPES)
 ]
 
 

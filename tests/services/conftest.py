@@ -7,12 +7,12 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from engine_core import LLM
 from services.client import GenerationClient
 from services.launcher import LaunchConfig, LocalCluster
 from services.rpc import scheduler_pb2, scheduler_pb2_grpc
 from tests.services.probes import start_healthy
 
+# NOTE: as tests/conftest.py's offline_llm, the in-process engine the services must reproduce.
 KV_CACHE_GIB = 0.5
 
 
@@ -54,9 +54,3 @@ def scheduler_stats(cluster: LocalCluster) -> Iterator[scheduler_pb2_grpc.Schedu
 
 def stats(stub: scheduler_pb2_grpc.SchedulerStub) -> scheduler_pb2.StatsResponse:
     return stub.Stats(scheduler_pb2.StatsRequest(), timeout=5)
-
-
-@pytest.fixture(scope="session")
-def offline_llm(smollm2_dir: str) -> LLM:
-    """The in-process engine the services must reproduce (same dtype and cache budget)."""
-    return LLM(smollm2_dir, dtype="float32", kv_cache_memory=KV_CACHE_GIB)
