@@ -10,7 +10,7 @@ peer's own interpreter, benchmarks/llama_cpp_client.py):
 2. prompt processing: a 512-token prompt of random ids, prompt tokens per second up to the first token;
 3. speculation, on the default model's file: benchmarks/spec_decode.py's input-grounded prompts (its `GROUNDED`
    list), stopping at EOS, ms per output token with speculation off and on per engine: Pagoda's `ngram` and
-   `suffix` methods (`num_speculative_tokens` 4), llama.cpp's prompt-lookup decoding
+   `suffix` methods (each with its default `num_speculative_tokens`), llama.cpp's prompt-lookup decoding
    (`LlamaPromptLookupDecoding(num_pred_tokens=N)`, whose docs say 10 suits GPUs and 2 CPU-only machines).
 Every case alternates the engines (and arms) for `--rounds` rounds, the first arm rotating. Greedy agreement is
 reported (between engines, and llama.cpp's lookup against its own off arm), never asserted across engines; Pagoda's
@@ -100,7 +100,8 @@ def spec_case(path: str, llama: LlamaCpp, args: argparse.Namespace) -> dict[str,
     from engine_core.spec_decode.drafter import Drafter
     from engine_core.spec_decode.stats import SpecDecodeStats
 
-    specs = {m: {"method": m, "num_speculative_tokens": args.num_speculative_tokens} for m in ("ngram", "suffix")}
+    k = {"num_speculative_tokens": args.num_speculative_tokens} if args.num_speculative_tokens else {}
+    specs = {m: {"method": m, **k} for m in ("ngram", "suffix")}
     llm = pagoda_llm(path, args, specs["ngram"])
     # NOTE: one engine, its drafter swapped between requests (as benchmarks/spec_decode.py does): the same weights
     # and KV cache serve every Pagoda arm.
@@ -164,7 +165,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=160, help="speculation case, per prompt")
-    ap.add_argument("--num-speculative-tokens", type=int, default=4, help="Pagoda's ngram and suffix")
+    ap.add_argument(
+        "--num-speculative-tokens", type=int, default=0, help="Pagoda's ngram and suffix (0: each method's default)"
+    )
     ap.add_argument("--num-pred-tokens", default="2,10", help="llama.cpp's prompt lookup, one arm each")
     ap.add_argument("--llama-venv", default=None, help="the llama.cpp peer's venv (default: the install script's)")
     ap.add_argument("--skip-spec", action="store_true")
