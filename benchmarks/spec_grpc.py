@@ -60,7 +60,9 @@ def generate(stub: Any, prompt_ids: list[int], max_tokens: int) -> tuple[float, 
     """One greedy request on a Generate stream: ms per output token after the first, and its tokens."""
     from services.rpc import common_pb2, generation_pb2
 
-    opts = common_pb2.SamplingOptions(temperature=0.0, max_tokens=max_tokens)
+    # NOTE: ignore_eos, as the in-process arms' requests (made without an EOS id) run to max_tokens: the same tokens
+    # and token counts on both paths.
+    opts = common_pb2.SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     req = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt_ids), sampling=opts)
     tokens: list[int] = []
     first_at, first_n, last_at = 0.0, 0, 0.0
@@ -91,7 +93,13 @@ def run(
                 arm.ms.append(ms)
                 got[arm.name] = tokens
             want = expected[i] if expected is not None else got[arms[0].name]
-            assert all(t == want for t in got.values()), f"gRPC prompt {i}: outputs differ"
+            if not all(t == want for t in got.values()):
+                first = {
+                    n: next((j for j, (a, b) in enumerate(zip(t, want, strict=False)) if a != b), len(t))
+                    for n, t in got.items()
+                }
+                lens = {n: len(t) for n, t in got.items()}
+                raise AssertionError(f"gRPC prompt {i}: outputs differ (first difference {first}, lengths {lens})")
             line = ", ".join(f"{a.name} {a.ms[-1]:.2f}" for a in arms)
             print(f"grpc round {r} prompt {i} ({len(want)} tokens), ms/token: {line}", flush=True)
     off = sum(arms[0].ms) / len(arms[0].ms)
