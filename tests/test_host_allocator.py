@@ -68,7 +68,7 @@ assert retain_freed_memory()
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 before = rss()
-xs = [torch.empty(mib << 18, dtype=torch.float32).fill_(1.0) for mib in (24, 12, 6, 6)]
+xs = [torch.empty(mib << 18, dtype=torch.float32).fill_(1.0) for mib in (24,) * 6 + (12, 12)]
 allocated = rss()
 del xs
 freed = rss()
@@ -81,7 +81,9 @@ print(json.dumps([before, allocated, freed, rss(), released]))
 def test_release_free_heap_hands_the_loads_freed_memory_back() -> None:
     out = subprocess.run([sys.executable, "-c", RELEASE_PROBE], capture_output=True, text=True, timeout=120, check=True)
     before, allocated, freed, after, released = json.loads(out.stdout.splitlines()[-1])
-    assert allocated - before > 40 * MIB
+    # NOTE: 168 MiB in chunks below the worker's mmap threshold, so that the few MiB the interpreter itself touches
+    # meanwhile stay well inside the 10 % bound
+    assert allocated - before > 150 * MIB
     assert freed - before > (allocated - before) * 9 // 10  # kept by the settings: the control
     assert released
     assert after - before < (allocated - before) // 10
