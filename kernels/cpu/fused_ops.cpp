@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -30,6 +31,18 @@ namespace {
 void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat, name, ": float32 only");
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": expected a 2-D tensor with contiguous rows");
+}
+
+// The norms' shared arguments: a float32 weight of the hidden size, and the optional float32 residual of x's shape
+// (its data and row stride; null and 0 without one).
+std::pair<float*, int64_t> norm_residual(const c10::optional<at::Tensor>& residual, const at::Tensor& x,
+                                         const at::Tensor& weight, const char* name) {
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == x.size(1), name,
+              ": weight must be a contiguous float32 vector of the hidden size");
+  if (!residual.has_value()) return {nullptr, 0};
+  check_rows(*residual, name);
+  TORCH_CHECK(residual->sizes() == x.sizes(), name, ": residual shape does not match");
+  return {residual->data_ptr<float>(), residual->stride(0)};
 }
 
 // Rows per parallel task: enough work (~16K floats) per task that the thread hand-off is worth it.
@@ -123,16 +136,10 @@ void rms_norm_to(at::Tensor out, const at::Tensor& x, const c10::optional<at::Te
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1 && out.sizes() == x.sizes(),
               "rms_norm_to: expected 2-D tensors of one shape with contiguous rows");
   const int64_t T = x.size(0), N = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == N,
-              "rms_norm_to: weight must be a contiguous float32 vector of the hidden size");
-  float* r = nullptr;
-  int64_t rs = 0;
-  if (residual.has_value()) {
-    check_rows(*residual, "rms_norm_to");
-    TORCH_CHECK(residual->sizes() == x.sizes(), "rms_norm_to: residual shape does not match");
-    r = residual->data_ptr<float>();
-    rs = residual->stride(0);
-  }
+  // NOTE: not a structured binding: the lambdas below capture r and rs (C++20 only for bindings)
+  const std::pair<float*, int64_t> res = norm_residual(residual, x, weight, "rms_norm_to");
+  float* const r = res.first;
+  const int64_t rs = res.second;
   const float* w = weight.data_ptr<float>();
   const float feps = static_cast<float>(eps);
   const int64_t xs = x.stride(0), os = out.stride(0);
@@ -204,16 +211,10 @@ void silu_and_mul(at::Tensor out, const at::Tensor& x) {
 void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual, const at::Tensor& weight, double eps) {
   check_rows(x, "add_rms_norm");
   const int64_t T = x.size(0), N = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.numel() == N,
-              "add_rms_norm: weight must be a contiguous float32 vector of the hidden size");
-  float* r = nullptr;
-  int64_t rs = 0;
-  if (residual.has_value()) {
-    check_rows(*residual, "add_rms_norm");
-    TORCH_CHECK(residual->sizes() == x.sizes(), "add_rms_norm: residual shape does not match");
-    r = residual->data_ptr<float>();
-    rs = residual->stride(0);
-  }
+  // NOTE: not a structured binding: the lambdas below capture r and rs (C++20 only for bindings)
+  const std::pair<float*, int64_t> res = norm_residual(residual, x, weight, "add_rms_norm");
+  float* const r = res.first;
+  const int64_t rs = res.second;
   float* xp = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   const int64_t xs = x.stride(0);
