@@ -23,7 +23,7 @@ from engine_core.model.native_decode import NativeDecodeStep
 from engine_core.model.quantization import resolve_weight_format
 from kernels import cpu as cpu_kernels
 from services.cli import _parser
-from tests.test_model_families import VOCAB, _tiny
+from tests.test_model_families import VOCAB, _tiny, assert_native_step_matches_layer_loop
 
 needs_vnni = pytest.mark.skipif(int8_unsupported(this_cpu_flags()) is not None, reason="no int8 dot products here")
 
@@ -93,18 +93,7 @@ def test_int8_native_decode_step_matches_the_python_layers(w8a8_m: int, tmp_path
             assert all(getattr(layer.cpu_forms, f) is None for f in ("coded", "panels", "onednn", "plain"))
             layer.cpu_forms.int8.w8a8_m = w8a8_m
     runner.decode_step = NativeDecodeStep(runner.model)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (3, 40, 1, 17, 9)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
-    native = llm.generate(prompts, params, use_tqdm=False)
-    runner.decode_step = None  # every step through the model's forward (the layer loop)
-    python = llm.generate(prompts, params, use_tqdm=False)
-    for a, b in zip(native, python, strict=True):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
-            assert pa.keys() == pb.keys()
-            for tok in pa:
-                assert abs(pa[tok].logprob - pb[tok].logprob) < 1e-5
+    assert_native_step_matches_layer_loop(llm, (3, 40, 1, 17, 9), max_tokens=10)
 
 
 def test_int8_is_refused_on_a_cpu_without_int8_dot_products(tmp_path: Path) -> None:

@@ -171,13 +171,18 @@ def test_native_decode_step_matches_the_python_layers(
                 name for name in ("coded", "panels", "onednn", "plain") if getattr(layer.cpu_forms, name) is not None
             }
             assert forms == resident, layer
+    assert_native_step_matches_layer_loop(llm, (3, 40, 1, 17, 9, 5), max_tokens=12)
+
+
+def assert_native_step_matches_layer_loop(llm: LLM, prompt_lens: tuple[int, ...], max_tokens: int) -> None:
+    """Greedy generations of random prompts, first with the runner's native decode step, then with every step through
+    the model's forward (the layer loop; the runner's decode step is left off): the same tokens, logprobs within
+    1e-5."""
     gen = torch.Generator().manual_seed(3)
-    prompts = [
-        {"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (3, 40, 1, 17, 9, 5)
-    ]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in prompt_lens]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
     native = llm.generate(prompts, params, use_tqdm=False)
-    runner.decode_step = None  # every step through the model's forward (the layer loop)
+    llm.core.executor.decode_step = None
     python = llm.generate(prompts, params, use_tqdm=False)
     for a, b in zip(native, python, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
