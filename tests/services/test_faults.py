@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -28,14 +29,15 @@ STREAM_TOKENS = 96  # per stream of the load: long enough to be cut mid-stream
 GREEDY = text_request("The capital of France is", max_tokens=8)
 LONG = "Tell me a very long story about a lighthouse keeper and the sea. " * 30
 FAULTS = {"injected": 0, "recovered": 0}
-# NOTE: room for a restarted worker to load the model on a busy machine; the deadline test waits this long.
+# NOTE: room for a restarted worker to load the model on a busy machine.
 REFORM_TIMEOUT_S = 45
+# NOTE: the deadline test's own cluster, where nobody restarts the worker in time: any deadline shows the path, and
+# a short one saves the suite the wait (the shared cluster's 45 s sat idle there).
+DEADLINE_REFORM_TIMEOUT_S = 8
 
 
-@pytest.fixture(scope="module")
-def fcluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    log_dir = tmp_path_factory.mktemp("faults")
-    cluster = start_cluster(
+def _start_faults_cluster(log_dir: Path, reform_timeout: float) -> LocalCluster:
+    return start_cluster(
         log_dir,
         kv_cache_memory=0.25,
         max_num_seqs=MAX_NUM_SEQS,
@@ -43,15 +45,25 @@ def fcluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         # NOTE: short deadlines so a hang is detected within seconds here (the defaults suit real steps).
         extra_scheduler_args=[
             *["--step-timeout", "4", "--heartbeat-interval", "0.5", "--heartbeat-timeout", "2"],
-            *["--worker-reform-timeout", str(REFORM_TIMEOUT_S)],
+            *["--worker-reform-timeout", str(reform_timeout)],
         ],
     )
-    yield cluster
+
+
+def _stop_faults_cluster(cluster: LocalCluster, log_dir: Path) -> None:
     codes = cluster.stop(timeout=60)
-    print(f"faults: {FAULTS['injected']} injected, {FAULTS['recovered']} recovered")
     if codes != {"frontend": 0, "scheduler": 0, "worker0": 0}:
         print_logs(log_dir)
     assert codes == {"frontend": 0, "scheduler": 0, "worker0": 0}, codes
+
+
+@pytest.fixture(scope="module")
+def fcluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    log_dir = tmp_path_factory.mktemp("faults")
+    cluster = _start_faults_cluster(log_dir, REFORM_TIMEOUT_S)
+    yield cluster
+    print(f"faults: {FAULTS['injected']} injected, {FAULTS['recovered']} recovered")
+    _stop_faults_cluster(cluster, log_dir)
 
 
 @pytest.fixture(scope="module")
@@ -301,22 +313,32 @@ def test_a_request_in_flight_at_two_consecutive_failures_fails_alone(
 
 
 def test_group_not_reformed_in_time_ends_the_streams_unavailable(
-    fcluster: LocalCluster, fclient: GenerationClient, greedy_tokens: list[int]
+    smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory, greedy_tokens: list[int]
 ) -> None:
-    reader = Reader(fclient, text_request(LONG, max_tokens=500, ignore_eos=True))
+    log_dir = tmp_path_factory.mktemp("faults-deadline")
+    cluster = _start_faults_cluster(log_dir, DEADLINE_REFORM_TIMEOUT_S)
+    try:
+        with GenerationClient(cluster.frontend_addr) as client:
+            _not_reformed_in_time(cluster, client, greedy_tokens)
+    finally:
+        _stop_faults_cluster(cluster, log_dir)
+
+
+def _not_reformed_in_time(cluster: LocalCluster, client: GenerationClient, greedy_tokens: list[int]) -> None:
+    reader = Reader(client, text_request(LONG, max_tokens=500, ignore_eos=True))
     assert reader.tokens.wait(120)
-    _kill_worker(fcluster)  # and nobody restarts it in time
-    reader.join(REFORM_TIMEOUT_S + 60)
+    _kill_worker(cluster)  # and nobody restarts it in time
+    reader.join(DEADLINE_REFORM_TIMEOUT_S + 60)
     assert reader.error is not None and reader.error.code() == grpc.StatusCode.UNAVAILABLE, reader.error
-    assert f"not re-formed within {REFORM_TIMEOUT_S} s" in (reader.error.details() or ""), reader.error
+    assert f"not re-formed within {DEADLINE_REFORM_TIMEOUT_S} s" in (reader.error.details() or ""), reader.error
     # While the worker is down, new requests fail fast with UNAVAILABLE (retry elsewhere / later).
-    wait_until(lambda: check(fcluster.frontend_addr, GENERATION_SERVICE) != SERVING, 30, "frontend NOT_SERVING")
+    wait_until(lambda: check(cluster.frontend_addr, GENERATION_SERVICE) != SERVING, 30, "frontend NOT_SERVING")
     with pytest.raises(grpc.RpcError) as info:
-        list(fclient.stub.Generate(GREEDY, timeout=30))
+        list(client.stub.Generate(GREEDY, timeout=30))
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
-    fcluster.restart("worker0")  # the scheduler kept trying: it re-forms for the requests to come
-    _serving_again(fcluster, fclient, greedy_tokens)
-    wait_until(lambda: all_blocks_free(fcluster.scheduler_addr), 30, "every block free after the restart")
+    cluster.restart("worker0")  # the scheduler kept trying: it re-forms for the requests to come
+    _serving_again(cluster, client, greedy_tokens)
+    wait_until(lambda: all_blocks_free(cluster.scheduler_addr), 30, "every block free after the restart")
 
 
 def test_scheduler_killed_frontend_fails_fast_and_reconnects(
