@@ -7,7 +7,7 @@ preemption. At the end: every request finished, was cancelled, was cut off or fa
 worker's outage (nothing else); every KV block is free and every request id is free again (no leaked slot); no
 process died; the frontend's and the scheduler's memory stayed flat after warm-up.
 
-Short in CI (PAGODA_SOAK_SECONDS, default 45); run it for >= 10 minutes on demand, e.g.
+Short in CI (PAGODA_SOAK_SECONDS, default 30); run it for >= 10 minutes on demand, e.g.
 `PAGODA_SOAK_SECONDS=600 pytest -s tests/soak`.
 """
 
@@ -31,7 +31,9 @@ from tests.soak.traffic import MAX_MODEL_LEN, Traffic
 
 pytestmark = pytest.mark.slow
 
-SOAK_SECONDS = float(os.environ.get("PAGODA_SOAK_SECONDS", "45"))
+# NOTE: 30 s is enough for every outcome the test requires: the clients' seeded draws put an unread stream second in
+# clients 1 and 3, HTTP first in 0 and 2 and gRPC first in 1, 3 and 4, all seconds before the kill at half-time.
+SOAK_SECONDS = float(os.environ.get("PAGODA_SOAK_SECONDS", "30"))
 CLIENTS = 6
 NUM_KV_BLOCKS = 40  # 640 tokens: two or three long sequences at once, so the scheduler must preempt
 SEND_TIMEOUT_S = 2.0  # --stream-send-timeout: clients that stop reading are cut off within the soak
