@@ -5,19 +5,23 @@ ends with RESOURCE_EXHAUSTED (gRPC) or a closed connection (SSE), and a neighbou
 from __future__ import annotations
 
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import grpc
 import pytest
 
 from services.client import GenerationClient, text_request
-from services.launcher import LocalCluster
-from services.rpc import generation_pb2, generation_pb2_grpc
-from tests.services.probes import all_blocks_free, scheduler_stats, start_cluster, wait_until
+from services.common.health import wait_serving
+from services.launcher import LocalCluster, free_port
+from services.rpc import GENERATION_SERVICE, generation_pb2, generation_pb2_grpc
+from tests.services.probes import all_blocks_free, scheduler_stats, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -27,46 +31,59 @@ N = 16
 NEIGHBOUR = text_request("The capital of France is", max_tokens=24)
 
 
-@pytest.fixture(scope="module")
-def slow_cluster(smollm2_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    log_dir = tmp_path_factory.mktemp("slow-client-logs")
-    cluster = start_cluster(
-        Path(log_dir),
-        dtype="float32",  # NOTE: as the offline reference: the neighbour's greedy tokens do not depend on its batch
-        kv_cache_memory=0.25,
-        max_num_seqs=32,
-        metrics_port=-1,
-        extra_frontend_args=["--stream-send-timeout", str(SEND_TIMEOUT_S)],
-    )
-    yield cluster
-    assert cluster.stop(timeout=60) == {"frontend": 0, "scheduler": 0, "worker0": 0}
+@dataclass(frozen=True)
+class SlowFrontend:
+    frontend_addr: str
+    http_url: str
+    scheduler_addr: str
 
 
 @pytest.fixture(scope="module")
-def neighbour_tokens(slow_cluster: LocalCluster) -> list[int]:
+def slow_frontend(cluster: LocalCluster) -> Iterator[SlowFrontend]:
+    """A frontend with `--stream-send-timeout` on the session cluster's scheduler and worker (float32: the
+    neighbour's greedy tokens do not depend on its batch).
+    NOTE: a frontend of its own, not a cluster: the flag is the frontend's alone, and a cluster of its own cost a
+    worker's model load and three processes' start and stop."""
+    port, http_port = free_port(), free_port()
+    args = ["--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", str(http_port)]
+    args += ["--scheduler-addr", cluster.scheduler_addr, "--stream-send-timeout", str(SEND_TIMEOUT_S)]
+    proc = subprocess.Popen([sys.executable, "-m", "services.frontend", *args])
+    try:
+        wait_serving(f"127.0.0.1:{port}", GENERATION_SERVICE, timeout=120)
+        yield SlowFrontend(f"127.0.0.1:{port}", f"http://127.0.0.1:{http_port}", cluster.scheduler_addr)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def neighbour_tokens(slow_frontend: SlowFrontend) -> list[int]:
     """The neighbour's greedy tokens when it runs alone."""
-    with GenerationClient(slow_cluster.frontend_addr) as client:
+    with GenerationClient(slow_frontend.frontend_addr) as client:
         return client.generate(NEIGHBOUR).choices[0].token_ids
 
 
-def _wait_stalled_then_freed(cluster: LocalCluster) -> None:
+def _wait_stalled_then_freed(frontend: SlowFrontend) -> None:
     """The stalled request runs, then is aborted: no request left, every KV block free (the client reads nothing)."""
 
     def running() -> bool:
-        s = scheduler_stats(cluster.scheduler_addr)
+        s = scheduler_stats(frontend.scheduler_addr)
         return s is not None and s.running >= N
 
     # NOTE: first seen running: the scheduler's stats may not show a request admitted a moment ago.
     wait_until(running, 60, "the stalled request running")
-    wait_until(lambda: all_blocks_free(cluster.scheduler_addr), 180, "the stalled request's blocks freed")
+    wait_until(lambda: all_blocks_free(frontend.scheduler_addr), 180, "the stalled request's blocks freed")
 
 
-def _assert_neighbour_unchanged(cluster: LocalCluster, expected: list[int]) -> None:
-    with GenerationClient(cluster.frontend_addr) as client:
+def _assert_neighbour_unchanged(frontend: SlowFrontend, expected: list[int]) -> None:
+    with GenerationClient(frontend.frontend_addr) as client:
         assert client.generate(NEIGHBOUR).choices[0].token_ids == expected
 
 
-def test_grpc_client_that_stops_reading_is_cut_off(slow_cluster: LocalCluster, neighbour_tokens: list[int]) -> None:
+def test_grpc_client_that_stops_reading_is_cut_off(slow_frontend: SlowFrontend, neighbour_tokens: list[int]) -> None:
     request = text_request(
         "Tell me a long story about the sea.",
         max_tokens=MAX_TOKENS,
@@ -78,12 +95,12 @@ def test_grpc_client_that_stops_reading_is_cut_off(slow_cluster: LocalCluster, n
     )
     # NOTE: no BDP probing: the client's receive window stays at HTTP/2's 64 KiB instead of growing to megabytes,
     # so its transport fills in a few steps (what it holds is the client's own memory, not the frontend's).
-    with grpc.insecure_channel(slow_cluster.frontend_addr, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+    with grpc.insecure_channel(slow_frontend.frontend_addr, options=[("grpc.http2.bdp_probe", 0)]) as channel:
         call = generation_pb2_grpc.GenerationStub(channel).Generate(request)
         messages = [next(call)]  # admitted; then this client reads nothing
-        neighbour = threading.Thread(target=_assert_neighbour_unchanged, args=(slow_cluster, neighbour_tokens))
+        neighbour = threading.Thread(target=_assert_neighbour_unchanged, args=(slow_frontend, neighbour_tokens))
         neighbour.start()
-        _wait_stalled_then_freed(slow_cluster)
+        _wait_stalled_then_freed(slow_frontend)
         neighbour.join(120)
         assert not neighbour.is_alive()
         with pytest.raises(grpc.RpcError) as info:
@@ -101,6 +118,9 @@ def _post_without_reading(url: str, body: dict[str, object]) -> socket.socket:
     parsed = urlparse(url)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # NOTE: before connect: a small TCP window
+    # NOTE: and small segments: the frontend's kernel sizes its send buffer by segment size, so with loopback's
+    # 64 KiB segments it took about 3 MB (many seconds of 16 streams) before uvicorn's send waited; now ~100 KB.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1024)
     sock.settimeout(60)
     sock.connect((parsed.hostname, parsed.port))
     data = json.dumps(body).encode()
@@ -114,7 +134,7 @@ def _post_without_reading(url: str, body: dict[str, object]) -> socket.socket:
     return sock
 
 
-def test_sse_client_that_stops_reading_is_cut_off(slow_cluster: LocalCluster, neighbour_tokens: list[int]) -> None:
+def test_sse_client_that_stops_reading_is_cut_off(slow_frontend: SlowFrontend, neighbour_tokens: list[int]) -> None:
     body = {
         "prompt": "Tell me a long story about the sea.",
         "max_tokens": MAX_TOKENS,
@@ -125,11 +145,11 @@ def test_sse_client_that_stops_reading_is_cut_off(slow_cluster: LocalCluster, ne
         "ignore_eos": True,
         "stream": True,
     }
-    sock = _post_without_reading(slow_cluster.http_url, body)
+    sock = _post_without_reading(slow_frontend.http_url, body)
     with sock:
-        neighbour = threading.Thread(target=_assert_neighbour_unchanged, args=(slow_cluster, neighbour_tokens))
+        neighbour = threading.Thread(target=_assert_neighbour_unchanged, args=(slow_frontend, neighbour_tokens))
         neighbour.start()
-        _wait_stalled_then_freed(slow_cluster)
+        _wait_stalled_then_freed(slow_frontend)
         neighbour.join(120)
         assert not neighbour.is_alive()
         rest = bytearray()
