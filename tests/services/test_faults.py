@@ -32,7 +32,7 @@ FAULTS = {"injected": 0, "recovered": 0}
 # NOTE: room for a restarted worker to load the model on a busy machine.
 REFORM_TIMEOUT_S = 45
 # NOTE: the deadline test's own cluster, where nobody restarts the worker in time: any deadline shows the path, and
-# a short one saves the suite the wait (the shared cluster's 45 s sat idle there).
+# the test waits it out, so it is short (the shared cluster's must leave a restarted worker time to load the model).
 DEADLINE_REFORM_TIMEOUT_S = 8
 
 

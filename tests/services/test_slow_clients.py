@@ -42,8 +42,8 @@ class SlowFrontend:
 def slow_frontend(cluster: LocalCluster) -> Iterator[SlowFrontend]:
     """A frontend with `--stream-send-timeout` on the session cluster's scheduler and worker (float32: the
     neighbour's greedy tokens do not depend on its batch).
-    NOTE: a frontend of its own, not a cluster: the flag is the frontend's alone, and a cluster of its own cost a
-    worker's model load and three processes' start and stop."""
+    NOTE: a frontend, not a cluster: the flag is the frontend's alone, so the session's scheduler and worker serve it
+    (no second model load, no three more processes to start and stop)."""
     port, http_port = free_port(), free_port()
     args = ["--host", "127.0.0.1", "--grpc-port", str(port), "--http-port", str(http_port)]
     args += ["--scheduler-addr", cluster.scheduler_addr, "--stream-send-timeout", str(SEND_TIMEOUT_S)]
@@ -118,8 +118,8 @@ def _post_without_reading(url: str, body: dict[str, object]) -> socket.socket:
     parsed = urlparse(url)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # NOTE: before connect: a small TCP window
-    # NOTE: and small segments: the frontend's kernel sizes its send buffer by segment size, so with loopback's
-    # 64 KiB segments it took about 3 MB (many seconds of 16 streams) before uvicorn's send waited; now ~100 KB.
+    # NOTE: and small segments: the frontend's kernel sizes the socket's send buffer by segment size; with loopback's
+    # 64 KiB segments ~3 MB (many seconds of 16 streams) go in before uvicorn's send waits, with 1 KiB ones ~130 KB.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 1024)
     sock.settimeout(60)
     sock.connect((parsed.hostname, parsed.port))
