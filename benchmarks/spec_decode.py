@@ -68,6 +68,13 @@ TICKETS = [
     "1046: I want to change the email address on my account.",
 ]
 AGENTIC = [TRIAGE + t for t in TICKETS]
+# Open-ended: answers that copy nothing from the prompt, where drafts are mostly rejected (the back-off's case).
+FREE = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me five ideas for a rainy weekend with children, with a sentence on each.",
+    "What are the pros and cons of working from home?",
+]
 
 
 class ArmView:
