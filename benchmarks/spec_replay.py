@@ -91,6 +91,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12, help="timed steps per row count")
     ap.add_argument("--workload", choices=("grounded", "agentic", "free"), default="grounded")
     ap.add_argument("--cost-ratios", default="", help="rows:ratio,... instead of timing the steps")
+    ap.add_argument("--ignore-eos", action="store_true", help="outputs run to max_tokens past EOS (spec_decode.py's)")
     args = ap.parse_args()
     from engine_core import LLM, SamplingParams
 
@@ -108,7 +109,7 @@ def main() -> None:
     ]
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0, max_tokens=args.max_tokens),
+        SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos),
         use_tqdm=False,
     )
     outputs = [list(o.outputs[0].token_ids) for o in outs]
@@ -131,6 +132,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "workload": args.workload,
+        "ignore_eos": args.ignore_eos,
         "cost_ms": cost,
         "tokens": tokens,
         "outputs": outputs,
