@@ -68,6 +68,13 @@ TICKETS = [
     "1046: I want to change the email address on my account.",
 ]
 AGENTIC = [TRIAGE + t for t in TICKETS]
+# Open-ended: answers that copy nothing from the prompt, where drafts are mostly rejected (the back-off's case).
+FREE = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me five ideas for a rainy weekend with children, with a sentence on each.",
+    "What are the pros and cons of working from home?",
+]
 
 
 class ArmView:
@@ -100,17 +107,22 @@ STEP_MS: dict[tuple[str, str], list[float]] = {}  # (arm, "verify" | "plain") ->
 OUTPUTS: dict[tuple[str, int], list[int]] = {}  # (workload, prompt index) -> its output (round 0; every arm's)
 
 
-def batch1(llm: Any, arm: str, prompt: str, max_tokens: int) -> tuple[float, list[int]]:
+def batch1(llm: Any, arm: str, prompt: str, max_tokens: int, ignore_eos: bool = False) -> tuple[float, list[int]]:
     """ms per output token after the first, one request alone; its tokens. Each decode step's time is recorded in
-    STEP_MS by arm and kind (with drafts: "verify", 1 + k decode rows per verified row; without: "plain")."""
+    STEP_MS by arm and kind (with drafts: "verify", 1 + k decode rows per verified row; without: "plain").
+
+    NOTE: the request stops at the model's EOS as `LLM.generate` makes it (`with_eos`), unless `ignore_eos`: past
+    EOS this model writes an invented next turn ("<|im_start|>user ..."), text that is neither the answer nor
+    grounded in the prompt."""
     from engine_core import SamplingParams
     from engine_core.core.request import Request
+    from engine_core.sampling_params import with_eos
 
     ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     core = llm.core
-    core.add_request(
-        Request(f"b{time.monotonic_ns()}", list(ids), SamplingParams(temperature=0, max_tokens=max_tokens))
-    )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    params = with_eos(params, llm.engine.eos_token_id, llm.engine.runner.info.vocab_size)
+    core.add_request(Request(f"b{time.monotonic_ns()}", list(ids), params))
     tokens: list[int] = []
     for o in core.step():  # prefill + first token
         tokens += o.new_token_ids
@@ -127,7 +139,9 @@ def batch1(llm: Any, arm: str, prompt: str, max_tokens: int) -> tuple[float, lis
     return (time.perf_counter() - t0) * 1000 / max(1, len(tokens) - 1), tokens
 
 
-def run_batch1(arms: dict[str, ArmView], name: str, prompts: list[str], rounds: int, max_tokens: int) -> dict[str, Any]:
+def run_batch1(
+    arms: dict[str, ArmView], name: str, prompts: list[str], rounds: int, max_tokens: int, ignore_eos: bool
+) -> dict[str, Any]:
     """Every prompt through every arm (the order rotating prompt by prompt); per arm: mean ms/token, acceptance."""
     from engine_core.spec_decode.stats import SpecDecodeStats
 
@@ -142,7 +156,7 @@ def run_batch1(arms: dict[str, ArmView], name: str, prompts: list[str], rounds: 
             shift = (r + i) % len(names)
             got = {}
             for arm in names[shift:] + names[:shift]:
-                t, tokens = batch1(arms[arm].use(), arm, prompt, max_tokens)
+                t, tokens = batch1(arms[arm].use(), arm, prompt, max_tokens, ignore_eos)
                 ms[arm].append(t)
                 got[arm] = tokens
             assert all(tokens == got["off"] for tokens in got.values()), f"{name} {i}: outputs differ"
@@ -201,7 +215,7 @@ def run_grpc(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     arms = [spec_grpc.GrpcArm("off", None)] + [spec_grpc.GrpcArm(a, arm_spec(a)) for a in args.grpc.split(",")]
     try:
         spec_grpc.start(arms, args.model, args.threads, args.kv_cache_memory)
-        return spec_grpc.run(arms, prompts, args.grpc_rounds, args.max_tokens, expected)
+        return spec_grpc.run(arms, prompts, args.grpc_rounds, args.max_tokens, expected, args.ignore_eos)
     finally:
         spec_grpc.stop(arms)
 
@@ -213,6 +227,7 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=2, help="batch-1 rounds (arms alternate which goes first)")
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--ignore-eos", action="store_true", help="batch-1 requests run to max_tokens past EOS")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--methods", default="ngram,suffix", help="the on-arms (method or method:k), one drafter each")
     ap.add_argument("--draft-model", default=None, help="draft_model's draft; default the target itself")
@@ -246,9 +261,9 @@ def main() -> None:
     batch1(arms["off"].use(), "off", "Hello", 8)  # warm-up
     result: dict[str, Any] = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": platform.node(), "specs": specs}
     if not args.skip_batch1:
-        result["grounded"] = run_batch1(arms, "grounded", GROUNDED, args.rounds, args.max_tokens)
+        result["grounded"] = run_batch1(arms, "grounded", GROUNDED, args.rounds, args.max_tokens, args.ignore_eos)
         if not args.skip_agentic:
-            result["agentic"] = run_batch1(arms, "agentic", AGENTIC, args.rounds, args.max_tokens)
+            result["agentic"] = run_batch1(arms, "agentic", AGENTIC, args.rounds, args.max_tokens, args.ignore_eos)
     print(json.dumps(result, indent=1), flush=True)
     if args.grpc:
         result["grpc_grounded"] = run_grpc(llm, args)

@@ -56,13 +56,12 @@ def stop(arms: list[GrpcArm]) -> None:
             arm.cluster.stop()
 
 
-def generate(stub: Any, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    """One greedy request on a Generate stream: ms per output token after the first, and its tokens."""
+def generate(stub: Any, prompt_ids: list[int], max_tokens: int, ignore_eos: bool) -> tuple[float, list[int]]:
+    """One greedy request on a Generate stream: ms per output token after the first, and its tokens.
+    `ignore_eos` as the in-process arms' requests: the same tokens and token counts on both paths."""
     from services.rpc import common_pb2, generation_pb2
 
-    # NOTE: ignore_eos, as the in-process arms' requests (made without an EOS id) run to max_tokens: the same tokens
-    # and token counts on both paths.
-    opts = common_pb2.SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    opts = common_pb2.SamplingOptions(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     req = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt_ids), sampling=opts)
     tokens: list[int] = []
     first_at, first_n, last_at = 0.0, 0, 0.0
@@ -80,7 +79,12 @@ def generate(stub: Any, prompt_ids: list[int], max_tokens: int) -> tuple[float, 
 
 
 def run(
-    arms: list[GrpcArm], prompts: list[list[int]], rounds: int, max_tokens: int, expected: list[list[int]] | None
+    arms: list[GrpcArm],
+    prompts: list[list[int]],
+    rounds: int,
+    max_tokens: int,
+    expected: list[list[int]] | None,
+    ignore_eos: bool,
 ) -> dict[str, Any]:
     """Every prompt through every arm's stream (order rotating); the outputs of all arms must be identical (and,
     given `expected`, the in-process off arm's). Per arm: mean ms/token, per prompt, speed-up against off."""
@@ -89,7 +93,7 @@ def run(
             shift = (r + i) % len(arms)
             got: dict[str, list[int]] = {}
             for arm in arms[shift:] + arms[:shift]:
-                ms, tokens = generate(arm.stub, ids, max_tokens)
+                ms, tokens = generate(arm.stub, ids, max_tokens, ignore_eos)
                 arm.ms.append(ms)
                 got[arm.name] = tokens
             want = expected[i] if expected is not None else got[arms[0].name]

@@ -10,7 +10,7 @@ verification steps by rows, load-independent. Then one request's decode steps ar
 sum(steps x their measured cost) / tokens, against one plain step per token.
 
     python benchmarks/spec_replay.py [--arms ngram:4,ngram:8,suffix:4,suffix:8,suffix] [--rows 1,2,3,5,9,13,17]
-        [--workload grounded|agentic] [--cost-ratios 1:1,5:1.7,9:2.47]
+        [--workload grounded|agentic|free] [--cost-ratios 1:1,5:1.7,9:2.47]
 
 --cost-ratios: step costs relative to a plain step, by rows, given instead of timed (e.g. a quiet machine's, or the
 coded GEMMs' from benchmarks/coded_rows.py), for a loaded machine where the timing is noise.
@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from spec_decode import AGENTIC, GROUNDED, arm_spec
+from spec_decode import AGENTIC, FREE, GROUNDED, arm_spec
 from spec_step_cost import make_drafter
 
 RESULTS = Path(__file__).parent / "results" / "spec_replay.jsonl"
@@ -89,8 +89,9 @@ def main() -> None:
     ap.add_argument("--arms", default="ngram:4,ngram:8,ngram:12,suffix:4,suffix:8,suffix")
     ap.add_argument("--rows", default="1,2,3,5,9,13,17", help="verification rows timed (1: a plain step)")
     ap.add_argument("--steps", type=int, default=12, help="timed steps per row count")
-    ap.add_argument("--workload", choices=("grounded", "agentic"), default="grounded")
+    ap.add_argument("--workload", choices=("grounded", "agentic", "free"), default="grounded")
     ap.add_argument("--cost-ratios", default="", help="rows:ratio,... instead of timing the steps")
+    ap.add_argument("--ignore-eos", action="store_true", help="outputs run to max_tokens past EOS (spec_decode.py's)")
     args = ap.parse_args()
     from engine_core import LLM, SamplingParams
 
@@ -104,11 +105,11 @@ def main() -> None:
     llm.core.scheduler.drafter = None
     prompts = [
         list(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True))
-        for p in (GROUNDED if args.workload == "grounded" else AGENTIC)
+        for p in {"grounded": GROUNDED, "agentic": AGENTIC, "free": FREE}[args.workload]
     ]
     outs = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
-        SamplingParams(temperature=0, max_tokens=args.max_tokens),
+        SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos),
         use_tqdm=False,
     )
     outputs = [list(o.outputs[0].token_ids) for o in outs]
@@ -131,6 +132,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "workload": args.workload,
+        "ignore_eos": args.ignore_eos,
         "cost_ms": cost,
         "tokens": tokens,
         "outputs": outputs,

@@ -250,18 +250,28 @@ def test_ngram_proposes_the_latest_occurrences_continuation() -> None:
     assert propose_ngram([4, 4], 5, 1, 1) == [4]
 
 
-def test_drafter_backs_off_after_rejections() -> None:
+def test_drafter_backs_off_to_one_token_probes_after_rejections() -> None:
     drafter = Drafter(SpeculativeConfig(**NGRAM))
-    tokens, params = [1, 2, 1, 2, 1, 2], SamplingParams()
-    assert drafter.propose(0, tokens, params, 4)
+    tokens, params = [5, 6, 7, 8, 9, 1, 2, 3, 5, 6], SamplingParams()
+    full = drafter.propose(0, tokens, params, 4)
+    assert full == [7, 8, 9, 1]
     drafter.record(0, 4, 0)
-    assert not drafter.propose(0, tokens, params, 4)  # skips one chance
-    assert drafter.propose(0, tokens, params, 4)
+    assert drafter.propose(0, tokens, params, 4) == full[:1]  # one chance drafts a one-token probe
+    assert drafter.propose(0, tokens, params, 4) == full
+    drafter.record(0, 4, 0)  # a second miss in a row: three probe chances
+    assert [len(drafter.propose(0, tokens, params, 4)) for _ in range(4)] == [1, 1, 1, 4]
+    drafter.record(0, 4, 2)  # accepted: the back-off ends
+    assert drafter.propose(0, tokens, params, 4) == full
     drafter.record(0, 4, 0)
-    assert [bool(drafter.propose(0, tokens, params, 4)) for _ in range(4)] == [False, False, False, True]
-    drafter.record(0, 4, 2)
-    assert drafter.propose(0, tokens, params, 4)
+    assert drafter.propose(0, tokens, params, 4) == full[:1]
+    drafter.record(0, 1, 0)  # a rejected probe is a miss too: three probe chances follow
+    assert [len(drafter.propose(0, tokens, params, 4)) for _ in range(4)] == [1, 1, 1, 4]
+    drafter.record(0, 4, 0)
+    drafter.record(0, 1, 1)  # an accepted probe ends the back-off
+    assert drafter.propose(0, tokens, params, 4) == full
     assert drafter.propose(0, tokens, params, 0) == []  # no room: max_tokens or max_model_len reached
+    # a sequence that speculates on its own stays out of another's back-off
+    assert drafter.propose(1, tokens, params, 4) == full
 
 
 @pytest.mark.parametrize(
