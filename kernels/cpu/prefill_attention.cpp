@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "prefill_bf16.h"
 
 #include <algorithm>
 #include <atomic>
@@ -51,6 +52,13 @@ constexpr int64_t kRowAlign = 32;        // item rows are padded to a multiple o
 constexpr int64_t kTargetRows = 96;      // query rows (tokens x group) per work item
 constexpr int64_t kBk = 8 * kJr;         // keys per tile (64 with AVX-512)
 typedef float vec __attribute__((vector_size(kW * sizeof(float))));
+#if defined(__AVX512BF16__)
+namespace dp = pagoda::prefill_bf16;
+constexpr bool kDp = true;  // a bf16 cache runs prefill_bf16.h's dot-product micro-kernels
+static_assert(dp::kJr == kJr && dp::kMr == kMr && dp::kW == kW, "the tiles are shared with the float32 kernels");
+#else
+constexpr bool kDp = false;
+#endif
 
 inline vec load(const float* p) {
   vec v;
@@ -177,9 +185,11 @@ struct Item {
 // Per-thread buffers, 64-byte aligned.
 struct Scratch {
   std::vector<float> mem;
-  float *qt, *s, *o, *m, *l, *alpha, *kbuf, *vbuf;
+  float *qt, *s, *o, *m, *l, *alpha, *kbuf, *vbuf, *p2;
   std::vector<const float*> kptr, vptr;
-  Scratch(int64_t R, int64_t D) : mem(R * D * 2 + kBk * R + 3 * R + 2 * kBk * D + 8 * 16), kptr(kBk), vptr(kBk) {
+  std::vector<const at::BFloat16*> kbp, vbp;  // a bf16 cache's rows, for the dot-product kernels
+  Scratch(int64_t R, int64_t D)
+      : mem(R * D * 2 + kBk * R * 3 / 2 + 3 * R + 2 * kBk * D + 9 * 16), kptr(kBk), vptr(kBk), kbp(kBk), vbp(kBk) {
     float* p = mem.data();
     auto take = [&p](int64_t n) {
       p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
@@ -188,7 +198,7 @@ struct Scratch {
       return r;
     };
     qt = take(D * R), s = take(kBk * R), o = take(R * D), m = take(R), l = take(R), alpha = take(R);
-    kbuf = take(kBk * D), vbuf = take(kBk * D);
+    kbuf = take(kBk * D), vbuf = take(kBk * D), p2 = take(kBk * R / 2);
   }
 };
 
@@ -199,19 +209,36 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
   const int64_t p0 = L - qlen + it.t0;  // absolute position of the item's first query
   const int64_t rows = nq * G;
   const int32_t* table = a.tables + it.chunk * a.max_blocks;
+  // NOTE: the pairs need an even head_dim; the float32 kernels over the widened tile serve any other.
+  const bool bf16_dp = kDp && a.kb != nullptr && D % 2 == 0;
+  // The dot-product kernels' packed Q^T and V pairs live in the float32 kernels' qt / vbuf (half their size).
+  [[maybe_unused]] uint32_t *qt2 = reinterpret_cast<uint32_t*>(w.qt), *vt2 = reinterpret_cast<uint32_t*>(w.vbuf);
+  [[maybe_unused]] uint32_t* p2 = reinterpret_cast<uint32_t*>(w.p2);
   // Q^T [D][R], scaled, zero-padded rows (their scores are finite garbage that is never stored).
   // NOTE: in two steps, through the O buffer: a token's G heads are one contiguous run of q, copied as a stream;
   // the transpose then scatters within L1. Scattering straight from q (cold: written by the projection) stalled on
   // its cache misses (perf: ~5% of the kernel's time).
   for (int64_t i = 0; i < nq; ++i) {
     const float* qi = a.qp + (a.starts[it.chunk] + it.t0 + i) * a.q_row + h * G * D;
+#if defined(__AVX512BF16__)
+    if (bf16_dp) {  // rounded to bf16 rows (D / 2 pairs each)
+      dp::narrow_scaled(qi, a.scale, G * D, reinterpret_cast<uint16_t*>(w.o) + i * G * D);
+      continue;
+    }
+#endif
     float* dst = w.o + i * G * D;
 #pragma omp simd
     for (int64_t x = 0; x < G * D; ++x) dst[x] = qi[x] * a.scale;
   }
-  std::fill(w.qt, w.qt + D * R, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t d = 0; d < D; ++d) w.qt[d * R + r] = w.o[r * D + d];
+  if (bf16_dp) {
+#if defined(__AVX512BF16__)
+    dp::pack_q(reinterpret_cast<const uint32_t*>(w.o), rows, R, D / 2, qt2);
+#endif
+  } else {
+    std::fill(w.qt, w.qt + D * R, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t d = 0; d < D; ++d) w.qt[d * R + r] = w.o[r * D + d];
+    }
   }
   std::fill(w.o, w.o + R * D, 0.0f);
   std::fill(w.m, w.m + R, -std::numeric_limits<float>::infinity());
@@ -224,7 +251,10 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
       const int64_t block = table[b];
       TORCH_CHECK(block >= 0 && block < a.num_blocks, "paged_prefill_attention: block id out of range");
       const int64_t slot = (block * BS + off) * a.kv_row + h * D;
-      if (a.kb != nullptr) {
+      if (bf16_dp) {
+        w.kbp[j] = a.kb + slot;
+        w.vbp[j] = a.vb + slot;
+      } else if (a.kb != nullptr) {
         // NOTE: a bf16 cache's tile is widened into fp32 rows once per tile (D x 64 keys, ~1 % of the tile's FMAs),
         // so the micro-kernels are the float32 ones: prefill is compute-bound, the halved bytes matter in decode.
         float *kd = w.kbuf + j * D, *vd = w.vbuf + j * D;
@@ -242,7 +272,12 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
     // Keys past `n` repeat the tile's first key (a valid slot) and are masked below: whole micro-kernel calls.
     std::fill(w.kptr.begin() + n, w.kptr.end(), w.kptr[0]);
     std::fill(w.vptr.begin() + n, w.vptr.end(), w.vptr[0]);
+    std::fill(w.kbp.begin() + n, w.kbp.end(), w.kbp[0]);
+    std::fill(w.vbp.begin() + n, w.vbp.end(), w.vbp[0]);
     const int64_t nk = (n + kJr - 1) / kJr * kJr;  // keys computed (whole micro-kernel calls)
+#if defined(__AVX512BF16__)
+    if (bf16_dp) dp::pack_v(w.vbp.data(), nk / 2, D, vt2);
+#endif
     // Keys of this tile that the last query of rows [r0, r0 + nr) sees (padded rows count as the last query): on
     // the diagonal, a row group skips the keys past it (the mask below covers what it leaves unwritten).
     auto visible = [&](int64_t r0, int64_t nr) {
@@ -250,7 +285,15 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
     };
     for (int64_t r0 = 0; r0 < R; r0 += 2 * kW) {
       const int64_t nv = visible(r0, 2 * kW);
-      for (int64_t j0 = 0; j0 < nv; j0 += kJr) s_micro(w.kptr.data() + j0, w.qt + r0, R, D, w.s + j0 * R + r0, R);
+      for (int64_t j0 = 0; j0 < nv; j0 += kJr) {
+#if defined(__AVX512BF16__)
+        if (bf16_dp) {
+          dp::s_micro(w.kbp.data() + j0, qt2 + r0, R, D / 2, w.s + j0 * R + r0, R);
+          continue;
+        }
+#endif
+        s_micro(w.kptr.data() + j0, w.qt + r0, R, D, w.s + j0 * R + r0, R);
+      }
     }
     // Causal mask: row r (query position p0 + r / G) sees key k0 + j iff k0 + j <= p0 + r / G. Rows below
     // `(k0 + j - p0) * G` are masked; keys >= n sit past every query.
@@ -284,9 +327,16 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
         const bool masked = sj[r] == kNegInf;
         const float e = expf(masked ? 0.0f : sj[r] - m[r]);
         sj[r] = masked ? 0.0f : e;
-        l[r] += sj[r];
+        l[r] += bf16_dp ? 0.0f : sj[r];  // the dot-product path sums its rounded weights in pack_p
       }
     }
+#if defined(__AVX512BF16__)
+    if (bf16_dp) {
+      dp::pack_p(s, nk, R, p2, l);
+      dp::pv_tile(vt2, D, p2, R, alpha, w.o, visible);
+      continue;
+    }
+#endif
     // O = alpha * O + P V, in blocks of kMr rows x kNc vectors of columns.
     // Keys past `visible` have p = 0 exactly: skipping them changes nothing.
     for (int64_t r0 = 0; r0 < R; r0 += kMr) {
@@ -396,6 +446,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, float scale) -> ()");
+  // Whether a bf16 cache (even head_dim) runs the AVX-512 BF16 dot-product kernels (prefill_bf16.h).
+  m.def("prefill_bf16_dot_products() -> bool", []() { return kDp; });
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) { m.impl("paged_prefill_attention", &pagoda::paged_prefill_attention); }
