@@ -9,7 +9,7 @@
 //   O[r][c] += sum_i p2[i][r] . vt2[i][c]            V packed per tile as (key 2i, key 2i + 1) pairs per column
 //                                                    (columns are the lanes); p rounded to bf16, paired the same way
 // What is rounded beyond the cache's own bf16: q (once) and the softmax weights p (each, the row sums adding the
-// rounded values, so the weights still sum to one); max, exp, the sums and O stay fp32.
+// rounded values, so the weights still sum to one); max, exp (a polynomial to ~2 ulps), the sums and O stay fp32.
 #pragma once
 
 #if defined(__AVX512BF16__)
@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 namespace pagoda::prefill_bf16 {
 
@@ -169,16 +170,44 @@ inline void pack_v(const at::BFloat16* const* v, int64_t n2, int64_t D, uint32_t
   }
 }
 
-// The tile's softmax weights p[j][r] (fp32, kW-aligned R) rounded to bf16 and paired along the keys:
-// p2[i * R + r] = (p[2i][r], p[2i+1][r]); l[r] += the two rounded weights. nk is even.
-inline void pack_p(const float* p, int64_t nk, int64_t R, uint32_t* p2, float* l) {
+// exp(x) for x <= 0 (finite), to ~2 fp32 ulps: Cephes' expf polynomial on x - n ln2, scaled by 2^n (scalef
+// underflows to 0 below ~-104).
+// NOTE: inline, not libmvec's: the weights are rounded to bf16 (2^-9) right after, so the last ulp is moot, and
+// the call with its spills was ~17 % of the kernel's time.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The tile's softmax weights from its scores s[j][r] (kW-aligned R; masked scores are -inf) and the rows' running
+// max m, rounded to bf16 and paired along the keys: p2[i * R + r] = (p[2i][r], p[2i+1][r]); l[r] += the rounded
+// weights. Masked scores give p = 0 by a select. nk is even.
+inline void softmax_pairs(const float* s, int64_t nk, int64_t R, const float* m, uint32_t* p2, float* l) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t r = 0; r < R; r += kW) {
+    const __m512 mr = _mm512_loadu_ps(m + r);
     __m512 sum = _mm512_loadu_ps(l + r);
     for (int64_t i = 0; i < nk / 2; ++i) {
-      const __m512i e0 = round16(_mm512_loadu_ps(p + 2 * i * R + r));
-      const __m512i e1 = round16(_mm512_loadu_ps(p + (2 * i + 1) * R + r));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(_mm512_castsi512_ps(e0), _mm512_castsi512_ps(e1)));
-      _mm512_storeu_si512(p2 + i * R + r, _mm512_or_si512(_mm512_srli_epi32(e0, 16), e1));
+      __m512i e[2];
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        const __m512 x = _mm512_loadu_ps(s + (2 * i + h) * R + r);
+        const __mmask16 live = _mm512_cmp_ps_mask(x, neg_inf, _CMP_NEQ_OQ);
+        e[h] = round16(_mm512_maskz_mov_ps(live, exp16(_mm512_maskz_sub_ps(live, x, mr))));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(e[h]));
+      }
+      _mm512_storeu_si512(p2 + i * R + r, _mm512_or_si512(_mm512_srli_epi32(e[0], 16), e[1]));
     }
     _mm512_storeu_ps(l + r, sum);
   }
