@@ -30,7 +30,7 @@ _SOURCES = [
         "decode_step.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "prefill_bf16.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "prefill_f32.h", "prefill_bf16.h")]
 _NAME = "pagoda_cpu_kernels"
 _lock = threading.Lock()
 _loaded: bool | None = None
