@@ -30,7 +30,7 @@ _SOURCES = [
         "decode_step.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name("ops.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "prefill_f32.h", "prefill_bf16.h")]
 _NAME = "pagoda_cpu_kernels"
 _lock = threading.Lock()
 _loaded: bool | None = None
@@ -128,6 +128,12 @@ def paged_prefill_attention(
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     torch.ops.pagoda_cpu.paged_prefill_attention(out, q, kv_cache, block_tables, seq_lens, query_start_loc, scale)
     return out
+
+
+def prefill_bf16_dot_products() -> bool:
+    """Whether prefill attention over a bf16 cache (even head_dim) runs AVX-512 BF16 dot products (q and the softmax
+    weights rounded to bf16) rather than the float32 kernel over the widened values."""
+    return bool(torch.ops.pagoda_cpu.prefill_bf16_dot_products())
 
 
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -8,9 +8,9 @@
 //                                       element by element straight from the cache (no K packing, any block size)
 //   running max / sum per row          vectorised over rows; exp through libmvec (IEEE semantics kept)
 //   O[r][:] = alpha[r] * O[r][:] + sum_j p[j][r] * v_j    V rows streamed from the cache, p broadcast
-// Both micro-kernels keep their accumulators in named registers. The vector type is a GCC vector extension of the
-// widest ISA that -march=native enables (AVX-512, AVX, else 128-bit: SSE or NEON), so one source serves every
-// target.
+// Both micro-kernels keep their accumulators in registers (prefill_f32.h: a GCC vector type of the widest ISA
+// that -march=native enables). Over a bf16 cache on CPUs with AVX-512 BF16 the tiles are bf16 dot products instead
+// (prefill_bf16.h: q and the softmax weights rounded to bf16, fp32 accumulation).
 //
 // Determinism: an item's outputs depend on its own rows and keys only, in a fixed order, whichever thread runs it
 // (the same bits for any thread count).
@@ -19,6 +19,8 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "prefill_bf16.h"
+#include "prefill_f32.h"
 
 #include <algorithm>
 #include <atomic>
@@ -33,128 +35,18 @@ extern "C" __attribute__((__simd__("notinbranch"))) float expf(float) noexcept;
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kW = 16;  // floats per vector
-constexpr int kJr = 8;  // keys per S micro-kernel call: 2 x 8 accumulators
-constexpr int kMr = 4;  // rows per PV micro-kernel call: 4 x 4 accumulators
-#elif defined(__AVX__)
-constexpr int kW = 8;
-constexpr int kJr = 6;  // 12 accumulators of 16 ymm registers
-constexpr int kMr = 2;  // 8 accumulators + 4 V vectors
-#else
-constexpr int kW = 4;
-constexpr int kJr = 4;
-constexpr int kMr = 2;
-#endif
-constexpr int kNc = 4;                   // vectors of V columns per PV micro-kernel call
+using namespace pagoda::prefill_f32;  // kW, vec, the micro-kernels
+
 constexpr int64_t kRowAlign = 32;        // item rows are padded to a multiple of this (>= 2 vectors on every ISA)
 constexpr int64_t kTargetRows = 96;      // query rows (tokens x group) per work item
 constexpr int64_t kBk = 8 * kJr;         // keys per tile (64 with AVX-512)
-typedef float vec __attribute__((vector_size(kW * sizeof(float))));
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof v);  // an unaligned vector load
-  return v;
-}
-inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
-// NOTE: not `vec{} + x`: 0 + x is no identity for x = -0, so GCC keeps a scalar add before every broadcast.
-template <size_t... I>
-inline vec splat_impl(float x, std::index_sequence<I...>) {
-  return vec{(static_cast<void>(I), x)...};
-}
-inline vec splat(float x) { return splat_impl(x, std::make_index_sequence<kW>{}); }
-
-// s[j * ldS + r] = sum_d k_j[d] * qt[d * ldQ + r] for rows r in [0, 2 * kW) and kJr keys (one FMA chain over d).
-#define S_ACC(j)                         \
-  {                                      \
-    const vec kj = splat(k[j][d]);       \
-    a##j += kj * q0;                     \
-    b##j += kj * q1;                     \
-  }
-#define S_STORE(j)                           \
-  store(s + (j) * ldS, a##j);                \
-  store(s + (j) * ldS + kW, b##j);
-inline void s_micro(const float* const* k, const float* qt, int64_t ldQ, int64_t D, float* s, int64_t ldS) {
-  static_assert(kJr >= 4 && kJr <= 8, "s_micro is written for 4..8 keys");
-  vec a0{}, a1{}, a2{}, a3{}, a4{}, a5{}, a6{}, a7{};
-  vec b0{}, b1{}, b2{}, b3{}, b4{}, b5{}, b6{}, b7{};
-  for (int64_t d = 0; d < D; ++d) {
-    const vec q0 = load(qt + d * ldQ), q1 = load(qt + d * ldQ + kW);
-    S_ACC(0) S_ACC(1) S_ACC(2) S_ACC(3)
-    if constexpr (kJr > 4) S_ACC(4)
-    if constexpr (kJr > 5) S_ACC(5)
-    if constexpr (kJr > 6) S_ACC(6)
-    if constexpr (kJr > 7) S_ACC(7)
-  }
-  S_STORE(0) S_STORE(1) S_STORE(2) S_STORE(3)
-  if constexpr (kJr > 4) { S_STORE(4) }
-  if constexpr (kJr > 5) { S_STORE(5) }
-  if constexpr (kJr > 6) { S_STORE(6) }
-  if constexpr (kJr > 7) { S_STORE(7) }
-}
-#undef S_ACC
-#undef S_STORE
-
-// o[r][c] = alpha[r] * o[r][c] + sum_j p[j * ldP + r] * v_j[c] for kMr rows and NC vectors of columns.
-#define PV_LOAD(r)                                   \
-  if constexpr (kMr > r) {                           \
-    const vec al = splat(alpha[r]);                  \
-    c##r##0 = load(o + r * ldO) * al;                \
-    if constexpr (NC > 1) c##r##1 = load(o + r * ldO + kW) * al;     \
-    if constexpr (NC > 2) c##r##2 = load(o + r * ldO + 2 * kW) * al; \
-    if constexpr (NC > 3) c##r##3 = load(o + r * ldO + 3 * kW) * al; \
-  }
-#define PV_ACC(r)                                    \
-  if constexpr (kMr > r) {                           \
-    const vec pr = splat(p[j * ldP + r]);            \
-    c##r##0 += pr * v0;                              \
-    if constexpr (NC > 1) c##r##1 += pr * v1;        \
-    if constexpr (NC > 2) c##r##2 += pr * v2;        \
-    if constexpr (NC > 3) c##r##3 += pr * v3;        \
-  }
-#define PV_STORE(r)                                                   \
-  if constexpr (kMr > r) {                                            \
-    store(o + r * ldO, c##r##0);                                      \
-    if constexpr (NC > 1) store(o + r * ldO + kW, c##r##1);           \
-    if constexpr (NC > 2) store(o + r * ldO + 2 * kW, c##r##2);       \
-    if constexpr (NC > 3) store(o + r * ldO + 3 * kW, c##r##3);       \
-  }
-template <int NC>
-inline void pv_micro(const float* const* v, int64_t col, int64_t n, const float* p, int64_t ldP, const float* alpha,
-                     float* o, int64_t ldO) {
-  static_assert(kMr <= 4, "pv_micro is written for up to 4 rows");
-  vec c00{}, c01{}, c02{}, c03{}, c10{}, c11{}, c12{}, c13{}, c20{}, c21{}, c22{}, c23{}, c30{}, c31{}, c32{}, c33{};
-  PV_LOAD(0) PV_LOAD(1) PV_LOAD(2) PV_LOAD(3)
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vj = v[j] + col;
-    const vec v0 = load(vj);
-    vec v1{}, v2{}, v3{};
-    if constexpr (NC > 1) v1 = load(vj + kW);
-    if constexpr (NC > 2) v2 = load(vj + 2 * kW);
-    if constexpr (NC > 3) v3 = load(vj + 3 * kW);
-    PV_ACC(0) PV_ACC(1) PV_ACC(2) PV_ACC(3)
-  }
-  PV_STORE(0) PV_STORE(1) PV_STORE(2) PV_STORE(3)
-}
-#undef PV_LOAD
-#undef PV_ACC
-#undef PV_STORE
-
-using PvMicro = void (*)(const float* const*, int64_t, int64_t, const float*, int64_t, const float*, float*, int64_t);
-constexpr PvMicro kPv[kNc + 1] = {nullptr, pv_micro<1>, pv_micro<2>, pv_micro<3>, pv_micro<4>};
-
-// The same for the last `ncol` < kW columns, in the same order per output (scale by alpha, then one chain over j).
-void pv_tail(const float* const* v, int64_t col, int64_t ncol, int64_t n, const float* p, int64_t ldP,
-             const float* alpha, float* o, int64_t ldO) {
-  for (int64_t r = 0; r < kMr; ++r) {
-    for (int64_t c = 0; c < ncol; ++c) {
-      float acc = o[r * ldO + c] * alpha[r];
-      for (int64_t j = 0; j < n; ++j) acc += p[j * ldP + r] * v[j][col + c];
-      o[r * ldO + c] = acc;
-    }
-  }
-}
+#if defined(__AVX512BF16__)
+namespace dp = pagoda::prefill_bf16;
+constexpr bool kDp = true;  // a bf16 cache runs prefill_bf16.h's dot-product micro-kernels
+static_assert(dp::kJr == kJr && dp::kMr == kMr && dp::kW == kW, "the tiles are shared with the float32 kernels");
+#else
+constexpr bool kDp = false;
+#endif
 
 struct PrefillArgs {
   const float* qp;
@@ -177,9 +69,11 @@ struct Item {
 // Per-thread buffers, 64-byte aligned.
 struct Scratch {
   std::vector<float> mem;
-  float *qt, *s, *o, *m, *l, *alpha, *kbuf, *vbuf;
+  float *qt, *s, *o, *m, *l, *alpha, *kbuf, *vbuf, *p2;
   std::vector<const float*> kptr, vptr;
-  Scratch(int64_t R, int64_t D) : mem(R * D * 2 + kBk * R + 3 * R + 2 * kBk * D + 8 * 16), kptr(kBk), vptr(kBk) {
+  std::vector<const at::BFloat16*> kbp, vbp;  // a bf16 cache's rows, for the dot-product kernels
+  Scratch(int64_t R, int64_t D)
+      : mem(R * D * 2 + kBk * R * 3 / 2 + 3 * R + 2 * kBk * D + 9 * 16), kptr(kBk), vptr(kBk), kbp(kBk), vbp(kBk) {
     float* p = mem.data();
     auto take = [&p](int64_t n) {
       p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
@@ -188,7 +82,7 @@ struct Scratch {
       return r;
     };
     qt = take(D * R), s = take(kBk * R), o = take(R * D), m = take(R), l = take(R), alpha = take(R);
-    kbuf = take(kBk * D), vbuf = take(kBk * D);
+    kbuf = take(kBk * D), vbuf = take(kBk * D), p2 = take(kBk * R / 2);
   }
 };
 
@@ -199,19 +93,36 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
   const int64_t p0 = L - qlen + it.t0;  // absolute position of the item's first query
   const int64_t rows = nq * G;
   const int32_t* table = a.tables + it.chunk * a.max_blocks;
+  // NOTE: the pairs need an even head_dim; the float32 kernels over the widened tile serve any other.
+  const bool bf16_dp = kDp && a.kb != nullptr && D % 2 == 0;
+  // The dot-product kernels' packed Q^T and V pairs live in the float32 kernels' qt / vbuf (half their size).
+  [[maybe_unused]] uint32_t *qt2 = reinterpret_cast<uint32_t*>(w.qt), *vt2 = reinterpret_cast<uint32_t*>(w.vbuf);
+  [[maybe_unused]] uint32_t* p2 = reinterpret_cast<uint32_t*>(w.p2);
   // Q^T [D][R], scaled, zero-padded rows (their scores are finite garbage that is never stored).
   // NOTE: in two steps, through the O buffer: a token's G heads are one contiguous run of q, copied as a stream;
   // the transpose then scatters within L1. Scattering straight from q (cold: written by the projection) stalled on
   // its cache misses (perf: ~5% of the kernel's time).
   for (int64_t i = 0; i < nq; ++i) {
     const float* qi = a.qp + (a.starts[it.chunk] + it.t0 + i) * a.q_row + h * G * D;
+#if defined(__AVX512BF16__)
+    if (bf16_dp) {  // rounded to bf16 rows (D / 2 pairs each)
+      dp::narrow_scaled(qi, a.scale, G * D, reinterpret_cast<uint16_t*>(w.o) + i * G * D);
+      continue;
+    }
+#endif
     float* dst = w.o + i * G * D;
 #pragma omp simd
     for (int64_t x = 0; x < G * D; ++x) dst[x] = qi[x] * a.scale;
   }
-  std::fill(w.qt, w.qt + D * R, 0.0f);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t d = 0; d < D; ++d) w.qt[d * R + r] = w.o[r * D + d];
+  if (bf16_dp) {
+#if defined(__AVX512BF16__)
+    dp::pack_q(reinterpret_cast<const uint32_t*>(w.o), rows, R, D / 2, qt2);
+#endif
+  } else {
+    std::fill(w.qt, w.qt + D * R, 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t d = 0; d < D; ++d) w.qt[d * R + r] = w.o[r * D + d];
+    }
   }
   std::fill(w.o, w.o + R * D, 0.0f);
   std::fill(w.m, w.m + R, -std::numeric_limits<float>::infinity());
@@ -224,7 +135,10 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
       const int64_t block = table[b];
       TORCH_CHECK(block >= 0 && block < a.num_blocks, "paged_prefill_attention: block id out of range");
       const int64_t slot = (block * BS + off) * a.kv_row + h * D;
-      if (a.kb != nullptr) {
+      if (bf16_dp) {
+        w.kbp[j] = a.kb + slot;
+        w.vbp[j] = a.vb + slot;
+      } else if (a.kb != nullptr) {
         // NOTE: a bf16 cache's tile is widened into fp32 rows once per tile (D x 64 keys, ~1 % of the tile's FMAs),
         // so the micro-kernels are the float32 ones: prefill is compute-bound, the halved bytes matter in decode.
         float *kd = w.kbuf + j * D, *vd = w.vbuf + j * D;
@@ -242,7 +156,12 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
     // Keys past `n` repeat the tile's first key (a valid slot) and are masked below: whole micro-kernel calls.
     std::fill(w.kptr.begin() + n, w.kptr.end(), w.kptr[0]);
     std::fill(w.vptr.begin() + n, w.vptr.end(), w.vptr[0]);
+    std::fill(w.kbp.begin() + n, w.kbp.end(), w.kbp[0]);
+    std::fill(w.vbp.begin() + n, w.vbp.end(), w.vbp[0]);
     const int64_t nk = (n + kJr - 1) / kJr * kJr;  // keys computed (whole micro-kernel calls)
+#if defined(__AVX512BF16__)
+    if (bf16_dp) dp::pack_v(w.vbp.data(), nk / 2, D, vt2);
+#endif
     // Keys of this tile that the last query of rows [r0, r0 + nr) sees (padded rows count as the last query): on
     // the diagonal, a row group skips the keys past it (the mask below covers what it leaves unwritten).
     auto visible = [&](int64_t r0, int64_t nr) {
@@ -250,7 +169,15 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
     };
     for (int64_t r0 = 0; r0 < R; r0 += 2 * kW) {
       const int64_t nv = visible(r0, 2 * kW);
-      for (int64_t j0 = 0; j0 < nv; j0 += kJr) s_micro(w.kptr.data() + j0, w.qt + r0, R, D, w.s + j0 * R + r0, R);
+      for (int64_t j0 = 0; j0 < nv; j0 += kJr) {
+#if defined(__AVX512BF16__)
+        if (bf16_dp) {
+          dp::s_micro(w.kbp.data() + j0, qt2 + r0, R, D / 2, w.s + j0 * R + r0, R);
+          continue;
+        }
+#endif
+        s_micro(w.kptr.data() + j0, w.qt + r0, R, D, w.s + j0 * R + r0, R);
+      }
     }
     // Causal mask: row r (query position p0 + r / G) sees key k0 + j iff k0 + j <= p0 + r / G. Rows below
     // `(k0 + j - p0) * G` are masked; keys >= n sit past every query.
@@ -262,10 +189,16 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
     }
     // Online softmax. Every row sees key 0 in the first tile, so its running max is finite from there on.
     float *s = w.s, *m = w.m, *l = w.l, *alpha = w.alpha;
-    for (int64_t j = 0; j < nk; ++j) {
-      const float* sj = s + j * R;
-#pragma omp simd
-      for (int64_t r = 0; r < R; ++r) alpha[r] = j == 0 ? sj[r] : std::max(alpha[r], sj[r]);
+    // NOTE: the tile's row maxima a vector of rows at a time, its running max in a register across the keys (a loop
+    // over keys outermost loaded and stored alpha per key: ~15 % of the bf16 kernel's time). Max is exact: the same
+    // bits either way.
+    for (int64_t r0 = 0; r0 < R; r0 += kW) {
+      vec mx = load(s + r0);
+      for (int64_t j = 1; j < nk; ++j) {
+        const vec x = load(s + j * R + r0);
+        mx = mx < x ? x : mx;  // std::max's order
+      }
+      store(alpha + r0, mx);
     }
 #pragma omp simd
     for (int64_t r = 0; r < R; ++r) {
@@ -277,6 +210,13 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
     // NOTE: masked scores give p = 0 by a select, not through expf(-inf): libmvec hands every lane outside its fast
     // range to the scalar expf (1 thread, 5 chunks of ~410 tokens: 15.6 -> 15.0 ms). Other lanes are exact.
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512BF16__)
+    if (bf16_dp) {
+      dp::softmax_pairs(s, nk, R, m, p2, l);
+      dp::pv_tile(vt2, D, p2, R, alpha, w.o, visible);
+      continue;
+    }
+#endif
     for (int64_t j = 0; j < nk; ++j) {
       float* sj = s + j * R;
 #pragma omp simd
@@ -396,6 +336,8 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def(
       "paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, float scale) -> ()");
+  // Whether a bf16 cache (even head_dim) runs the AVX-512 BF16 dot-product kernels (prefill_bf16.h).
+  m.def("prefill_bf16_dot_products() -> bool", []() { return kDp; });
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) { m.impl("paged_prefill_attention", &pagoda::paged_prefill_attention); }

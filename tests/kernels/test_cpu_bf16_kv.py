@@ -1,7 +1,8 @@
 """A bf16 KV cache in the native CPU kernels (kv_cache_dtype="bfloat16"): store_kv rounds each K/V to bf16 as torch
-does, and decode / prefill attention over it are the float32 kernels over the same values widened to fp32 (the
-widening is exact and every product and sum stays fp32; the compiler may order a portable dot product's partial sums
-differently per element type, hence float32 ulps, not bits)."""
+does; decode attention over it is the float32 kernel over the same values widened to fp32 (the widening is exact and
+every product and sum stays fp32; the compiler may order a portable dot product's partial sums differently per
+element type, hence float32 ulps, not bits); prefill attention runs AVX-512 BF16 dot products where the CPU has them
+(q and the softmax weights rounded to bf16, stated bounds below), else the float32 kernel over the widened values."""
 
 from __future__ import annotations
 
@@ -62,22 +63,52 @@ def test_decode_over_a_bf16_cache_is_the_float32_kernel_over_its_values(
     torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("head_dim", [64, 128, 80, 40, 8, 9])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_prefill_over_a_bf16_cache_is_the_float32_kernel_over_its_values(head_dim: int, block_size: int) -> None:
-    chunks = [(0, 70), (33, 5), (130, 1)]  # (cached context, chunk length): tiles past 64 keys, a partial tile
+def test_prefill_over_a_bf16_cache(head_dim: int, block_size: int) -> None:
+    """With AVX-512 BF16 and an even head_dim: the float64 attention of q rounded to bf16 (after the scale) over the
+    cache's values, up to the rounding of each softmax weight to bf16 (relative 2^-9; the row sums add the rounded
+    weights, so the output moves by at most 2 * 2^-9 * max|v|, bounded here by 2^-8 * max|v|). Otherwise (an odd
+    head_dim, or a CPU without the instructions) the float32 kernel over the widened tile: the same bits as over a
+    float32 cache of the same values."""
+    chunks = [(0, 70), (33, 5), (130, 1), (0, 200), (3, 37)]  # tiles past 64 keys, partial tiles, odd key counts
     seq_lens = [c + n for c, n in chunks]
-    cache, tables = _bf16_cache(seq_lens, block_size, 2, head_dim, seed=head_dim)
+    cache, tables = _bf16_cache(seq_lens, block_size, 2, head_dim, seed=head_dim + block_size)
     qlens = [n for _, n in chunks]
     starts = torch.tensor([0, *itertools.accumulate(qlens)], dtype=torch.int32)
     q = torch.randn(sum(qlens), 6, head_dim, generator=torch.Generator().manual_seed(3))
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     scale = head_dim**-0.5
     got = cpu_kernels.paged_prefill_attention(q, cache, tables, lens, starts, scale)
-    same_values = cpu_kernels.paged_prefill_attention(q, cache.float(), tables, lens, starts, scale)
-    assert torch.equal(got, same_values)  # the same micro-kernels over the widened tile: the same bits
-    want = ref_prefill_attention(q.double(), cache[0].double(), cache[1].double(), tables, lens, starts, scale)
-    torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5)
+    if not _dot_products(head_dim):
+        same_values = cpu_kernels.paged_prefill_attention(q, cache.float(), tables, lens, starts, scale)
+        assert torch.equal(got, same_values)  # the same micro-kernels over the widened tile: the same bits
+    _assert_bf16_prefill(got, q, cache, tables, lens, starts, scale)
+
+
+def _dot_products(head_dim: int) -> bool:
+    return cpu_kernels.prefill_bf16_dot_products() and head_dim % 2 == 0
+
+
+def _assert_bf16_prefill(
+    got: torch.Tensor,
+    q: torch.Tensor,
+    cache: torch.Tensor,
+    tables: torch.Tensor,
+    lens: torch.Tensor,
+    starts: torch.Tensor,
+    scale: float,
+) -> None:
+    """`got` against float64 references over the bf16 cache's values, with the bounds of the path that ran."""
+    k, v = cache[0].double(), cache[1].double()
+    exact = ref_prefill_attention(q.double(), k, v, tables, lens, starts, scale).double()
+    if not _dot_products(q.shape[-1]):
+        torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+        return
+    want = ref_prefill_attention((q * scale).bfloat16().double(), k, v, tables, lens, starts, 1.0).double()
+    torch.testing.assert_close(got.double(), want, atol=2**-8 * v.abs().max().item(), rtol=0)
+    # against the exact attention (q not rounded either), on average: a fraction of a bf16 ulp of the outputs
+    assert (got.double() - exact).abs().mean() < 2e-3
 
 
 def test_the_cpu_backend_writes_and_reads_a_bf16_cache() -> None:
@@ -111,7 +142,6 @@ def test_the_cpu_backend_writes_and_reads_a_bf16_cache() -> None:
     m, c = meta, cache.double()
     want = ref_decode_attention(q[:1].double(), c[0], c[1], m.decode_block_tables, m.decode_seq_lens, d**-0.5)
     torch.testing.assert_close(got[:1].double(), want.double(), atol=1e-5, rtol=1e-5)
-    want = ref_prefill_attention(
-        q[1:].double(), c[0], c[1], m.prefill_block_tables, m.prefill_seq_lens, m.prefill_query_start_loc, d**-0.5
+    _assert_bf16_prefill(
+        got[1:], q[1:], cache, m.prefill_block_tables, m.prefill_seq_lens, m.prefill_query_start_loc, d**-0.5
     )
-    torch.testing.assert_close(got[1:].double(), want.double(), atol=1e-5, rtol=1e-5)
