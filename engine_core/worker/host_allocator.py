@@ -37,6 +37,11 @@ import structlog
 
 log = structlog.get_logger(__name__)
 
+# A step of at least this many tokens leaves activations worth giving back; this many steps below it in a row
+# (decode rows, empty steps) mean the phase that needed them is over (HeapRelease).
+LARGE_STEP_TOKENS = 256
+SETTLE_STEPS = 16
+
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -87,3 +92,33 @@ def release_free_heap() -> bool:
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
     return bool(trim(0))
+
+
+class HeapRelease:
+    """Gives the heap's free pages back once the large steps that left them are over: `release_free_heap` after
+    `settle_steps` consecutive steps below `large_tokens`, once per run of large steps.
+
+    NOTE: why: the activations a step frees stay resident. Offline, glibc's dynamic mmap threshold rises to the
+    largest chunk freed (a 2,048-token step's ~13 MiB MLP temporaries), so later steps allocate theirs from the heap
+    and its free room is trimmed only past twice that; in a worker, `retain_freed_memory` keeps it all. Decode steps
+    need a fraction of it, while the KV pages they write keep growing, so the offline run's peak RSS (at its end)
+    carried the prefill steps' freed activations (docs/benchmarks.md, "Peak RSS of the offline benchmark").
+    NOTE: `settle_steps` so that a prefill phase's own gaps (a decode step between two chunks) and a trickle of
+    arrivals keep the room: the next large step after a release faults in what it needs again, once per burst.
+    NOTE: a step below the threshold with nothing pending costs two comparisons."""
+
+    def __init__(self, large_tokens: int = LARGE_STEP_TOKENS, settle_steps: int = SETTLE_STEPS) -> None:
+        self.large_tokens = large_tokens
+        self.settle_steps = settle_steps
+        self._small_steps = -1  # steps below large_tokens since the last large one; -1: nothing to give back
+        self.releases = 0
+
+    def after_step(self, num_tokens: int) -> None:
+        if num_tokens >= self.large_tokens:
+            self._small_steps = 0
+        elif self._small_steps >= 0:
+            self._small_steps += 1
+            if self._small_steps >= self.settle_steps:
+                self._small_steps = -1
+                release_free_heap()
+                self.releases += 1
