@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from engine_core.worker.host_allocator import HeapRelease
+
 # On a thread, as the worker's steps run: allocates and writes tensors the sizes of a step's activations (all below
 # glibc's largest mmap threshold, 32 MiB), frees them, 4 rounds; prints each round's RSS before, after the
 # allocations and after the free.
@@ -133,3 +135,22 @@ def test_heap_release_gives_a_large_steps_freed_activations_back_once_small_step
     # the third small step settles it: handed back, once (later small steps release nothing more)
     assert all(rss - before < grown // 10 for rss in small[2:])
     assert releases == 1
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_heap_release_follows_the_phases_of_steps_not_each_step() -> None:
+    heap = HeapRelease(large_tokens=256, settle_steps=4)
+    for tokens in [64] * 40:  # steady decode, never a large step: nothing to give back
+        heap.after_step(tokens)
+    assert heap.releases == 0
+    for tokens in [2048, 2048, 64, 64, 1200, 64, 64, 64]:  # a prefill phase with gaps shorter than the settling
+        heap.after_step(tokens)
+    assert heap.releases == 0
+    heap.after_step(64)  # the fourth small step in a row
+    assert heap.releases == 1
+    for tokens in [256] * 3 + [2048] + [256] * 4:  # verification steps (64 rows x 4) after a prefill step settle too
+        heap.after_step(tokens)
+    assert heap.releases == 2
+    for tokens in [256] * 20:  # and then are the phase: no release while they go on
+        heap.after_step(tokens)
+    assert heap.releases == 2
