@@ -179,6 +179,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the report here")
     ap.add_argument("--worker-allocator", action="store_true", help="malloc as a worker sets it (retain_freed_memory)")
     ap.add_argument("--keep-load-heap", action="store_true", help="A/B: skip release_free_heap after the load")
+    ap.add_argument("--no-heap-release", action="store_true", help="A/B: no HeapRelease after the large steps")
     args = ap.parse_args()
 
     if args.worker_allocator:
@@ -194,14 +195,17 @@ def main() -> None:
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_gib, num_threads=args.threads)
     seconds = {"load": time.perf_counter() - t0}
-    whole = llm.engine.runner.kv._whole
+    runner = llm.engine.runner
+    if args.no_heap_release:
+        runner.heap_release = None
+    whole = runner.kv._whole
     kv_range = None
     if whole is not None:
         nbytes = whole.untyped_storage().nbytes()
         kv_range = (whole.data_ptr(), whole.data_ptr() + nbytes)
     report = Report(
         kv_cache_mapped_mb=round((kv_range[1] - kv_range[0]) / MB, 1) if kv_range else 0.0,
-        model_tensors_mb=round(model_tensor_bytes(llm.engine.runner.model) / MB, 1),
+        model_tensors_mb=round(model_tensor_bytes(runner.model) / MB, 1),
         vm_hwm_mb=0.0,
     )
     report.breakdowns.append(breakdown("after load", kv_range))
@@ -238,7 +242,9 @@ def main() -> None:
             f"block pool: {pool.num_blocks} blocks, at most {sampler.max_used} in use at once, "
             f"evictions {pool.num_evictions}; prefix cache hits {stats.hits}/{stats.queries} tokens ({hit:.1%})"
         )
-    walk = llm.engine.runner.kv.prefaulter
+    if runner.heap_release is not None:
+        print(f"heap releases after large steps: {runner.heap_release.releases}")
+    walk = runner.kv.prefaulter
     if walk is not None:
         print(f"KV prefault walk: {walk.bytes_done / MB:.1f} MB of {walk.total_bytes / MB:.1f} MB populated")
     cols = [k for k in asdict(report.breakdowns[0]) if k != "label"]

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from engine_core.config import EngineConfig
 from engine_core.plan import CachedSequenceData, NewSequenceData, SchedulerOutput
 from engine_core.sampling_params import SamplingParams
+from engine_core.worker.host_allocator import HeapRelease
 from engine_core.worker.model_runner import ModelRunner
 from tests.hf_reference import hf_greedy
 
@@ -59,6 +60,19 @@ def test_runner_greedy_matches_transformers(tiny_dir: Path, backend: str) -> Non
     got = greedy(make_runner(tiny_dir, backend), prompts, steps=6)
     for seq_id, prompt in prompts.items():
         assert got[seq_id] == hf_greedy(ref, prompt, 6)
+
+
+def test_the_runner_gives_the_heap_back_once_decode_steps_follow_a_prefill(tiny_dir: Path) -> None:
+    runner = make_runner(tiny_dir, "cpu")
+    assert isinstance(runner.heap_release, HeapRelease)  # every CPU runner has one
+    # NOTE: the tiny model's prompts are short: a "large" step here is 16 tokens (the default 256)
+    runner.heap_release = HeapRelease(large_tokens=16, settle_steps=4)
+    prompts = {s: list(range(1 + s, 21 + s)) for s in range(3)}  # one 60-token prefill step, then 3-row decode steps
+    greedy(runner, prompts, steps=4)  # the prefill and 3 decode steps: not settled yet
+    assert runner.heap_release.releases == 0
+    runner.reset()
+    greedy(runner, prompts, steps=6)  # another prefill, then 5 decode steps
+    assert runner.heap_release.releases == 1
 
 
 def test_reset_forgets_every_sequence(tiny_dir: Path) -> None:

@@ -20,12 +20,14 @@ again, grow the heap by its size for up to a dozen rounds: torch's posix_memalig
 chunk, which keeps the freed chunk from merging, so the next request of that size does not fit in it
 (docs/decisions.md, "Memory").
 
-NOTE: the price is that the process keeps its high-water mark of heap memory (the largest step's activations) for
-its lifetime, which is what a dedicated worker process wants (the serving processes' peak RSS did not grow:
-4.56-4.59 GB with it, 4.56-4.67 GB without; 4.88-4.92 GB with M_MMAP_MAX 0 or this threshold, in another window).
-The KV cache is not on the heap (host_memory.py maps it), so it is not affected. These are process-wide settings:
-the worker applies them at start; the in-process `LLM` leaves its host process's allocator alone (offline, where
-steps run on the main thread, it gained 1 %: inside the noise, docs/decisions.md, "Memory").
+NOTE: the price is that the process keeps its high-water mark of heap memory (the largest step's activations) while
+large steps keep coming (the serving processes' peak RSS did not grow: 4.56-4.59 GB with it, 4.56-4.67 GB without;
+4.88-4.92 GB with M_MMAP_MAX 0 or this threshold, in another window). `HeapRelease` (the runner's, after each step)
+gives that room back once only small steps follow, in a worker as offline: `malloc_trim` is explicit, so the trim
+threshold above does not stop it. The KV cache is not on the heap (host_memory.py maps it), so it is not affected.
+These are process-wide settings: the worker applies them at start; the in-process `LLM` leaves its host process's
+allocator alone (offline, where steps run on the main thread, it gained 1 %: inside the noise, docs/decisions.md,
+"Memory").
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ import platform
 import structlog
 
 log = structlog.get_logger(__name__)
+
+# HeapRelease: a step a quarter of the largest since the last release or less is small; this many small steps in a
+# row after a step of at least this many tokens mean the phase that filled the heap is over.
+LARGE_STEP_TOKENS = 256
+SETTLE_STEPS = 16
 
 # mallopt parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -87,3 +94,37 @@ def release_free_heap() -> bool:
     trim.argtypes = [ctypes.c_size_t]
     trim.restype = ctypes.c_int
     return bool(trim(0))
+
+
+class HeapRelease:
+    """Gives the heap's free pages back once the large steps that left them are over: `release_free_heap` after
+    `settle_steps` consecutive steps of at most a quarter of the largest step since the last release, where that one
+    had at least `large_tokens` tokens.
+
+    NOTE: why: the activations a step frees stay resident. Offline, glibc's dynamic mmap threshold rises to the
+    largest chunk freed (a 2,048-token step's ~13 MiB MLP temporaries), so later steps allocate theirs from the heap
+    and its free room is trimmed only past twice that; in a worker, `retain_freed_memory` keeps it all. Decode steps
+    need a fraction of it, while the KV pages they write keep growing, so the offline run's peak RSS (at its end)
+    carried the prefill steps' freed activations (docs/benchmarks.md, "Peak RSS of the offline benchmark").
+    NOTE: relative to the largest step, so that verification steps (rows x (1 + k) tokens) after a prefill phase
+    settle it as decode steps do; `settle_steps` so that a prefill phase's own gaps and a trickle of arrivals keep
+    the room: the next large step after a release faults in what it needs again, once per burst.
+    NOTE: per step, one or two comparisons."""
+
+    def __init__(self, large_tokens: int = LARGE_STEP_TOKENS, settle_steps: int = SETTLE_STEPS) -> None:
+        self.large_tokens = large_tokens
+        self.settle_steps = settle_steps
+        self._largest = 0  # the largest step since the last release, tokens
+        self._small_steps = 0  # consecutive small steps since
+        self.releases = 0
+
+    def after_step(self, num_tokens: int) -> None:
+        if num_tokens * 4 > self._largest:
+            self._largest = max(self._largest, num_tokens)
+            self._small_steps = 0
+            return
+        self._small_steps += 1
+        if self._small_steps >= self.settle_steps and self._largest >= self.large_tokens:
+            self._largest = self._small_steps = 0
+            release_free_heap()
+            self.releases += 1

@@ -39,7 +39,7 @@ from engine_core.worker.draft_model import DraftModel
 from engine_core.worker.draft_runner import DraftRunner
 from engine_core.worker.driver_sampling import sample_on_driver
 from engine_core.worker.graph_steps import capture_graphs, cuda_graph_steps
-from engine_core.worker.host_allocator import release_free_heap
+from engine_core.worker.host_allocator import HeapRelease, release_free_heap
 from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.model_setup import (
     GIB,
@@ -160,6 +160,8 @@ class ModelRunner:
         self.draft = self._load_draft()
         self.reset()
         release_free_heap()  # NOTE: the loaders' freed temporaries back to the kernel (host_allocator.py)
+        # CPU: the large steps' freed activations back to the kernel once only small steps follow (host_allocator.py)
+        self.heap_release = HeapRelease() if self.device.type == "cpu" else None
         # CUDA: a step's inputs travel through pinned buffers into persistent device tensors (device_inputs.py), and
         # decode-only steps (cuda_graphs.py) and steps with prefill chunks (mixed_graphs.py) replay CUDA graphs,
         # captured in init_kv_cache, unless enforce_eager.
@@ -255,6 +257,8 @@ class ModelRunner:
         finally:
             if prefaulter is not None:
                 prefaulter.resume()
+        if self.heap_release is not None:
+            self.heap_release.after_step(plan.total_num_scheduled_tokens)
         if grammars:
             out.grammar_results = grammars.poll(IDLE_WAIT_S if plan.is_empty else 0.0)
         timings.end = time.perf_counter()
