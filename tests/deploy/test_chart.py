@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from engine_core.spec_decode.config import SpeculativeConfig
+from services.common.engine_flags import field_default
 from services.common.health import LIVENESS_SERVICE
 from services.model_fetch import parse_args as parse_fetch_args
 from services.rpc import GENERATION_SERVICE, SCHEDULER_SERVICE, WORKER_SERVICE
@@ -455,6 +456,22 @@ def test_speculative_config_reaches_the_scheduler(render: Any) -> None:
     assert got == SpeculativeConfig(**spec)
     too_likely = {"method": "suffix", "suffix_decoding_min_token_prob": 2}
     bad = helm_template("--set-json", f"engine.speculativeConfig={json.dumps(too_likely)}")
+    assert "values don't meet the specifications of the schema" in bad.stderr, bad.stderr
+
+
+def test_structured_outputs_compile_timeout_reaches_the_scheduler(render: Any) -> None:
+    """engine.structuredOutputsCompileTimeout is the scheduler's grammar deadline; unset keeps its default; <= 0 is
+    refused by the chart's schema."""
+    default = parse_container(render("default"), "scheduler", dict(pagoda_containers(render("default")))["scheduler"])
+    assert default.structured_outputs_compile_timeout == field_default("structured_outputs_compile_timeout")
+    out = helm_template("--set-json", "engine.structuredOutputsCompileTimeout=2.5")
+    assert out.returncode == 0, out.stderr
+    r = Rendered("compile-timeout", [o for o in yaml.safe_load_all(out.stdout) if o])
+    assert (
+        parse_container(r, "scheduler", dict(pagoda_containers(r))["scheduler"]).structured_outputs_compile_timeout
+        == 2.5
+    )
+    bad = helm_template("--set-json", "engine.structuredOutputsCompileTimeout=0")
     assert "values don't meet the specifications of the schema" in bad.stderr, bad.stderr
 
 
