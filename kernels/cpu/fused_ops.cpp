@@ -236,6 +236,21 @@ void add_rms_norm(at::Tensor x, const c10::optional<at::Tensor>& residual, const
   });
 }
 
+// The first `num_heads` heads of one token's row rotated in place (rotate-half form) by that position's cos/sin.
+static inline void rotate_heads(float* row, const float* c, const float* s, int64_t num_heads, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* a = row + h * head_dim;
+    float* b = a + half;
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = a[i], x2 = b[i];
+      a[i] = x1 * c[i] - x2 * s[i];
+      b[i] = x2 * c[i + half] + x1 * s[i + half];
+    }
+  }
+}
+
 // Rotates the first `num_heads` heads of every row of x in place (rotate-half form), with cos/sin the rows for
 // each token's position: x[:h] = x[:h] * cos - x[h:] * sin; x[h:] = x[h:] * cos + x[:h] * sin.
 void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads,
@@ -243,7 +258,7 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
   check_rows(x, "rotary_embedding");
   check_rows(cos, "rotary_embedding");
   check_rows(sin, "rotary_embedding");
-  const int64_t T = x.size(0), half = head_dim / 2;
+  const int64_t T = x.size(0);
   TORCH_CHECK(head_dim % 2 == 0 && num_heads * head_dim <= x.size(1) && cos.size(0) == T && cos.size(1) == head_dim &&
                   sin.sizes() == cos.sizes(),
               "rotary_embedding: shapes do not match");
@@ -255,16 +270,7 @@ void rotary_embedding(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + t * cs;
       const float* s = sp + t * ss;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* a = xp + t * xs + h * head_dim;
-        float* b = a + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = a[i], x2 = b[i];
-          a[i] = x1 * c[i] - x2 * s[i];
-          b[i] = x2 * c[i + half] + x1 * s[i + half];
-        }
-      }
+      rotate_heads(xp + t * xs, c, s, num_heads, head_dim);
     }
   });
 }
@@ -278,7 +284,7 @@ void rotary_embedding_to(at::Tensor out, const at::Tensor& x, const at::Tensor& 
               "rotary_embedding_to: x must be a bf16 [T, width] with contiguous rows, out's shape");
   check_rows(cos, "rotary_embedding_to");
   check_rows(sin, "rotary_embedding_to");
-  const int64_t T = x.size(0), W = x.size(1), half = head_dim / 2;
+  const int64_t T = x.size(0), W = x.size(1);
   TORCH_CHECK(head_dim % 2 == 0 && num_heads * head_dim <= W && cos.size(0) == T && cos.size(1) == head_dim &&
                   sin.sizes() == cos.sizes(),
               "rotary_embedding_to: shapes do not match");
@@ -294,16 +300,7 @@ void rotary_embedding_to(at::Tensor out, const at::Tensor& x, const at::Tensor& 
       widen_row(xr, o, W);
       const float* c = cp + t * cs;
       const float* s = sp + t * ss;
-      for (int64_t h = 0; h < num_heads; ++h) {
-        float* a = o + h * head_dim;
-        float* b = a + half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = a[i], x2 = b[i];
-          a[i] = x1 * c[i] - x2 * s[i];
-          b[i] = x2 * c[i + half] + x1 * s[i + half];
-        }
-      }
+      rotate_heads(o, c, s, num_heads, head_dim);
     }
   });
 }
