@@ -49,10 +49,12 @@ GPU_CHECK_OUT ?= $(if $(OUT),$(OUT),gpu_check_out)
 gpu-check:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
-# Here, with a registry: the pure-Python packages the engine needs that the GPU image lacks, as wheels in .whl/.
-GPU_WHEELS := structlog==26.1.0
+# Here, with a registry: the packages the engine needs that the GPU image lacks, as wheels in .whl/ (llguidance is
+# a compiled abi3 wheel for glibc >= 2.31: its platform is named).
+GPU_WHEELS := structlog==26.1.0 gguf==0.19.0 llguidance==1.9.1
 gpu-wheels:
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl $(GPU_WHEELS)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_31_x86_64 --platform any -d .whl $(GPU_WHEELS)
 
 # NOTE: PYTHONPATH makes lint-imports read this tree's packages, whatever the editable install points at.
 lint: install

@@ -9,6 +9,10 @@ ones after it, and the JSON file is rewritten after each, so a run cut short sti
 3. `greedy`       a random-weight model with SmolLM2-135M's shapes: greedy tokens of the Triton backend == torch
                   backend == transformers in float32, CUDA-graph decode == eager (asserted); in bfloat16, each
                   implementation's per-position top-1 agreement with float32 (reported, transformers' own beside).
+3a. `spec_decode` greedy with ngram / suffix speculation == without (float32, CUDA graphs; asserted), acceptance,
+                  batch-1 ms per token on / off (benchmarks/gpu_features.py).
+3a. `features`    sampling controls, logprobs, structured outputs and beam search through the CUDA graphs, each
+                  asserting what it promises (allowed tokens, a grammar, a seed's determinism, width 1 == greedy).
 3b. `tensor_parallel` with two GPUs or more: greedy tokens of `tensor_parallel_size=2` (NCCL, one GPU per rank,
                   CUDA-graph decode with the all-reduces captured) == one GPU, in float32 (asserted); skipped, and
                   says so, with fewer GPUs or in a dry run.
@@ -55,6 +59,7 @@ from kernels.triton_mode import configure_triton_interpret
 
 INTERPRETED = configure_triton_interpret()
 
+import gpu_features
 import torch
 
 # SmolLM2-135M's architecture (config.json of HuggingFaceTB/SmolLM2-135M-Instruct), with random weights.
@@ -120,19 +125,27 @@ class Check:
 
 
 def build_random_model(path: Path, shapes: dict[str, object]) -> Path:
-    """A seeded random-weight Llama with `shapes`, and a word-level tokenizer over its vocabulary (`t0` ... `tN`)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A seeded random-weight Llama with `shapes`, and a word-level tokenizer over its vocabulary: `<unk>` (0), the
+    256 byte-level characters (1-256), then `t257` ... `tN` (text is the names joined, without spaces)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-    config = LlamaConfig(**shapes, initializer_range=INIT_RANGE)
+    # NOTE: EOS is the tokenizer's last token in config.json too (LlamaConfig's default is 2), so the engine's stop
+    # and a grammar's end agree.
+    vocab_size = int(shapes["vocab_size"])  # type: ignore[call-overload]
+    config = LlamaConfig(**shapes, initializer_range=INIT_RANGE, eos_token_id=vocab_size - 1)
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(int(shapes["vocab_size"]))}  # type: ignore[call-overload]
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    # NOTE: the structured-output backend (llguidance) reads each token's bytes through a byte-level decoder and
+    # needs every single byte to be a token; then any grammar whose forced text is one token at a time works.
+    vocab = {"<unk>": 0} | {ch: 1 + i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab |= {f"t{i}": i for i in range(len(vocab), vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    eos = f"t{len(vocab) - 1}"
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token=eos).save_pretrained(path)
+    tok.decoder = decoders.ByteLevel()
+    eos = f"t{vocab_size - 1}"
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token=eos).save_pretrained(path)
     return path
 
 
@@ -362,6 +375,16 @@ def section_greedy(c: Check) -> dict[str, object]:
     return result
 
 
+def section_spec_decode(c: Check) -> dict[str, object]:
+    vocab = int(c.shapes["vocab_size"])  # type: ignore[call-overload]
+    return gpu_features.spec_decode_check(c.model_dir(), c.device, c.dry_run, vocab)
+
+
+def section_features(c: Check) -> dict[str, object]:
+    vocab = int(c.shapes["vocab_size"])  # type: ignore[call-overload]
+    return gpu_features.features_check(c.model_dir(), c.device, c.dry_run, vocab)
+
+
 def section_tensor_parallel(c: Check) -> dict[str, object]:
     gpus = torch.cuda.device_count()
     if c.dry_run or gpus < 2:
@@ -512,6 +535,8 @@ SECTIONS: list[tuple[str, Callable[[Check], dict[str, object]], float]] = [
     ("environment", section_environment, 0),
     ("variants", section_variants, 20),
     ("greedy", section_greedy, 60),
+    ("spec_decode", section_spec_decode, 40),
+    ("features", section_features, 30),
     ("tensor_parallel", section_tensor_parallel, 60),
     ("kernel_bench", section_kernel_bench, 90),
     ("throughput", section_throughput, 90),

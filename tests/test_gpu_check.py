@@ -26,6 +26,8 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path: Path) -> None:
         "environment": "ok",
         "variants": expected_variants,
         "greedy": "ok",
+        "spec_decode": "ok",
+        "features": "ok",
         "tensor_parallel": "skipped",  # needs two GPUs
         "kernel_bench": "ok",
         "throughput": "ok",
@@ -43,5 +45,7 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert report["throughput"]["pagoda_scaled_8192"]["requests"] == 4
     # fp32 Triton against fp32 transformers: the same most likely token at every prompt position
     assert report["greedy"]["bfloat16_top1_agreement_with_float32"]["pagoda_triton_float32"] == 1.0
+    assert report["spec_decode"]["checks"]["suffix_eq_plain"]["result"]["accepted_tokens"] > 0
+    assert report["features"]["checks"]["failed"] == []
     assert "engine_core" in report["host_profile"]["top_by"]["cumulative"]
     assert "2 passed" in report["kernel_tests"]["summary"]
