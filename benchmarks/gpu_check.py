@@ -202,7 +202,7 @@ _MODE_TEST = "test_triton_mode.py::test_device_follows_the_one_decision"
 
 
 def section_kernel_tests(c: Check) -> dict[str, object]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
     if c.dry_run:  # two cheap tests prove the subprocess wiring
         cmd += [f"tests/kernels/{t}" for t in ("test_store_kv.py::test_store_kv_all_skipped_and_empty", _MODE_TEST)]
     else:
@@ -212,15 +212,20 @@ def section_kernel_tests(c: Check) -> dict[str, object]:
     timeout = max(30.0, c.time_left() - 15)
     t0 = time.monotonic()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    tail = (proc.stdout + proc.stderr)[-4000:]
+    # NOTE: the whole log comes back beside the JSON; the JSON keeps what failed (a crashed xdist worker prints
+    # its test and stack in stderr, where a tail would lose it under the worker's traceback).
+    (c.out_dir / "kernel_tests.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    lines = (proc.stdout + "\n" + proc.stderr).splitlines()
     summary = next((ln for ln in reversed(proc.stdout.splitlines()) if " passed" in ln or " failed" in ln), "")
+    failures = [ln for ln in lines if ln.startswith(("FAILED", "ERROR")) or "crashed" in ln or "Fatal Python" in ln]
     result = {
         "returncode": proc.returncode,
         "summary": summary,
+        "failures": failures[:40],
         "pytest_seconds": round(time.monotonic() - t0, 1),
-        "tail": tail,
+        "tail": (proc.stdout + proc.stderr)[-2000:],
     }
-    assert proc.returncode == 0, f"kernel tests failed: {summary}\n{tail}"
+    assert proc.returncode == 0, f"kernel tests failed: {summary}; {failures[:40]}"
     return result
 
 

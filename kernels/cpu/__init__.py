@@ -70,7 +70,10 @@ def _load() -> bool:
 
     build_dir = _build_dir()
     prebuilt = build_dir / f"{_NAME}.so"
-    if prebuilt.is_file():
+    # NOTE: torch's builder holds `lock` in the build directory while it compiles and links, and the linker writes
+    # the library in place: a process that starts meanwhile (another test worker, a tensor-parallel rank) must wait
+    # in `load` rather than dlopen a half-written file.
+    if prebuilt.is_file() and not (build_dir / "lock").exists():
         # NOTE: the build directory is keyed by sources, torch and CPU flags, so a library there is current. Loading it
         # directly, not through the JIT builder, needs no compiler and writes nothing (the builder rewrites
         # build.ninja and takes a lock file on every load): containers run with the kernels baked into a read-only
