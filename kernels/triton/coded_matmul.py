@@ -15,8 +15,8 @@ Two regimes by row count (`plan_coded_matmul`):
   float32 partials are summed in torch (deterministic, unlike atomics);
 - prefill (M > 16): 64 x 64 tiles, one program per tile over the whole K.
 NOTE: one code per byte, also for the 4-bit formats (two codes a byte would halve a 4-bit weight's bytes at batch 1;
-not built). Compile variants: (regime, per-channel or group 16 / 32, offsets, bias, split or not, dtype); M, N, K
-and the split count are runtime values.
+not built). Compile variants: (regime, per-channel or group 16 / 32, offsets, bias, split or not, dtype) per layer
+shape; the row count and the split count are runtime values.
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ DECODE_ROWS = 16  # row counts up to this run the decode regime
 _MAX_SPLIT = 8
 
 
-@triton.jit
+# NOTE: the row count and the partials' stride (M * N) change with every batch size: not specialized on, so a layer's
+# launches at 2 ... 16 rows (or 17 and up) share one variant, and the decode graphs' buckets compile nothing new.
+CODED_DO_NOT_SPECIALIZE = ["M", "stride_os"]
+
+
+@triton.jit(do_not_specialize=CODED_DO_NOT_SPECIALIZE)
 def _coded_matmul_kernel(
     x_ptr,
     q_ptr,
