@@ -1,7 +1,7 @@
 """The CUDA linears' codes (engine_core/model/layers/cuda_codes.py), run here on CPU tensors through Triton's
 interpreter: every GGUF format's codes kept alone and multiplied through `coded_matmul` to the float weight's
 product; int8 per output channel; a fused projection of mixed formats; the loader's legacy codes (Q/K rows
-unpermuted) equal to the values transformers decodes."""
+unpermuted) equal to the values transformers decodes; a whole GGUF model on the coded GEMM."""
 
 from __future__ import annotations
 
@@ -125,3 +125,42 @@ def test_a_weight_without_codes_stays_plain_and_cuda_selects_the_codes_method() 
     cuda = torch.device("cuda")
     assert isinstance(select_linear_method(cuda, torch.bfloat16), CudaCodesMethod)
     assert select_linear_method(cuda, torch.float32, int8=True).name == "cuda-int8"
+
+
+@pytest.mark.slow  # ~75 s: every linear of two layers and a 49,152-row LM head interpreted
+def test_a_gguf_model_on_the_coded_gemm_gives_the_cpu_paths_tokens(tmp_path: Path, smollm2_dir: str) -> None:
+    """A Llama GGUF file whose matrices are Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 by turns (fused Q/K/V and gate/up mix
+    formats) loaded as the CUDA runner loads it (legacy codes from the file) and every linear run through
+    `coded_matmul` (interpreted here): the CPU coded path's greedy tokens (transformers' float32 decoding of the
+    file, by tests/test_greedy_equality.py's guarantee), prefill past 16 rows and decode."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from gpu_check_quantized import write_gguf_model
+
+    from engine_core import LLM, SamplingParams
+    from engine_core.model.layers.linear import UNQUANTIZED, process_linear_weights
+    from engine_core.model.loader import iter_weights
+    from tests.test_model_families import _tiny
+
+    kinds = write_gguf_model(_tiny("llama", tmp_path / "src", smollm2_dir), tmp_path / "gguf")
+    assert set(kinds.values()) == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
+    llm = LLM(str(tmp_path / "gguf"), kv_cache_memory=0.05, enable_prefix_caching=False)
+    prompts = [{"prompt_token_ids": list(range(300, 340))}, {"prompt_token_ids": [5, 900, 17]}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
+    want = llm.generate(prompts, params, use_tqdm=False)
+    runner = llm.core.executor
+    model = runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in linears:
+        layer.weight = torch.nn.Parameter(torch.empty(layer.out_features, layer.in_features), requires_grad=False)
+        layer.method, layer.cpu_forms = UNQUANTIZED, None
+    model.load_weights(iter_weights(str(tmp_path / "gguf"), runner.hf_config, with_codes=True, legacy_codes=True))
+    process_linear_weights(model, CudaCodesMethod(int8=False))
+    runner.decode_step = None  # the native step reads CPU forms; the layer loop reads the codes
+    assert all(layer.device_codes is not None and layer.weight is None for layer in linears)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for wl, gl, tok in zip(w.outputs[0].logprobs, g.outputs[0].logprobs, w.outputs[0].token_ids, strict=True):
+            assert abs(wl[tok].logprob - gl[tok].logprob) < 1e-3
