@@ -3,7 +3,8 @@ kernels/triton/coded_matmul.py), in three sub-checks, each recorded on its own (
 numbers, and the partial report is written after each):
 
 - `kernel`: `coded_matmul` against `ref_coded_matmul` at SmolLM2-135M's and Llama-3-8B's linear shapes (K, N), M in
-  (1, 4, 16, 64, 512), int8 per channel and Q4_1-like codes (groups of 32 with offsets), bf16 activations: max error
+  (1, 4, 16, 64, 512), int8 per channel and Q4_1-like codes (groups of 32 with offsets; one a byte, and packed two
+  a byte as the CUDA linears keep 4-bit formats), bf16 activations: max error
   relative to the output's magnitude, ms per call beside `F.linear` on the bf16 weight, and at M = 1 the GB/s of
   weight bytes read against the HBM peak;
 - `gguf_greedy`: the generated random SmolLM2-shaped model written as a GGUF file (matrices in Q8_0 / Q4_0 / Q4_1 /
@@ -85,6 +86,7 @@ def run(c: Check) -> dict[str, object]:
 def check_kernel(c: Check) -> dict[str, object]:
     from kernels.reference import ref_coded_matmul
     from kernels.triton import coded_matmul
+    from kernels.triton.coded_matmul import pack_nibbles
 
     bench = importlib.import_module("kernels_bench")
     name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (dry run)"
@@ -106,17 +108,20 @@ def check_kernel(c: Check) -> dict[str, object]:
                          torch.rand(n, k // 32, device=c.device, generator=gen) * 4e-3,
                          -torch.rand(n, k // 32, device=c.device, generator=gen) * 0.03, 32),
             }  # fmt: skip
+            q4, s4, o4, _ = formats["q4_1"]
+            formats["q4_1_packed"] = (pack_nibbles(q4), s4, o4, 32)  # what the CUDA linears keep for 4-bit formats
             del w
             for m in rows:
                 x = torch.randn(m, k, device=c.device, generator=gen).to(dtype)
                 row: dict[str, object] = {"k": k, "n": n, "m": m}
                 row["f_linear_ms"] = _ms(lambda x=x, d=dense: torch.nn.functional.linear(x, d))
                 for fmt, (q, s, o, g) in formats.items():
-                    y = coded_matmul(x, q, s, o, g)
-                    ref = ref_coded_matmul(x, q, s, o, g).float()
+                    packed = fmt.endswith("_packed")
+                    y = coded_matmul(x, q, s, o, g, packed=packed)
+                    ref = ref_coded_matmul(x, q4 if packed else q, s, o, g).float()
                     err = ((y.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
                     worst = max(worst, err)
-                    ms = _ms(lambda x=x, q=q, s=s, o=o, g=g: coded_matmul(x, q, s, o, g))
+                    ms = _ms(lambda x=x, q=q, s=s, o=o, g=g, p=packed: coded_matmul(x, q, s, o, g, packed=p))
                     weight_bytes = sum(t.numel() * t.element_size() for t in (q, s, o) if t is not None)
                     row[f"{fmt}_ms"] = ms
                     row[f"{fmt}_rel_err"] = err

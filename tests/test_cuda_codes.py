@@ -74,14 +74,17 @@ def test_gguf_linears_keep_their_codes_alone_and_compute_the_float_product(
         layer.process_weights(CudaCodesMethod(int8=False))
         assert layer.weight is None and layer.device_codes is not None, name
         scale_arrays = 1 if item.offsets is None else 2
-        assert layer.resident_bytes() == n * k + scale_arrays * 4 * n * (k // 32), name
+        packed = item.bits == 4  # Q4_0 / Q4_1: two codes a byte
+        assert layer.device_codes.packed == packed, name  # type: ignore[union-attr]
+        assert layer.resident_bytes() == n * k // (1 + packed) + scale_arrays * 4 * n * (k // 32), name
         assert layer.resident_bytes() < n * k * 2  # one byte a code: less than a bf16 copy
         x = torch.randn(rows, k, generator=gen)
         _rows_close(layer(x), F.linear(x, item.values(), bias))
 
 
 def test_a_fused_projection_of_mixed_formats_keeps_one_set_of_codes() -> None:
-    """Q4_K q / k beside a Q6_K v (llama.cpp's Q4_K_M): stacked in 16-k groups with offsets (`cat_rows`), exact."""
+    """Q4_K q / k beside a Q6_K v (llama.cpp's Q4_K_M): stacked in 16-k groups with offsets (`cat_rows`), exact;
+    Q4_K alone is packed two codes a byte."""
     gen = torch.Generator().manual_seed(4)
     sizes, kinds = [32, 16, 16], (Q.Q4_K, Q.Q4_K, Q.Q6_K)
     codes = [
@@ -94,10 +97,19 @@ def test_a_fused_projection_of_mixed_formats_keeps_one_set_of_codes() -> None:
     layer.process_weights(CudaCodesMethod(int8=False))
     held = layer.device_codes
     assert held is not None and held.group == 16 and held.offsets is not None and layer.weight is None
+    assert not held.packed  # Q6_K's codes need 6 bits
     w = torch.cat([c.values() for c in codes])
     for rows in (1, 20):
         x = torch.randn(rows, 256, generator=gen)
         _rows_close(layer(x), x @ w.T)
+    q4k = Linear(256, 32, bias=False)
+    q4k.weight_loader(q4k.weight, codes[0].values(), None, codes[0])
+    q4k.process_weights(CudaCodesMethod(int8=False))
+    assert (
+        q4k.device_codes is not None and q4k.device_codes.packed and q4k.resident_bytes() == 32 * 128 + 2 * 4 * 32 * 8
+    )
+    x = torch.randn(3, 256, generator=gen)
+    _rows_close(q4k(x), x @ codes[0].values().T)
 
 
 def test_int8_keeps_per_channel_codes_and_computes_their_product() -> None:

@@ -14,9 +14,10 @@ Two regimes by row count (`plan_coded_matmul`):
   batch-1 step spreads the weight's bytes over every SM (memory-bound: bytes of codes are the cost); the splits'
   float32 partials are summed in torch (deterministic, unlike atomics);
 - prefill (M > 16): 64 x 64 tiles, one program per tile over the whole K.
-NOTE: one code per byte, also for the 4-bit formats (two codes a byte would halve a 4-bit weight's bytes at batch 1;
-not built). Compile variants: (regime, per-channel or group 16 / 32, offsets, bias, split or not, dtype) per layer
-shape; the row count and the split count are runtime values.
+4-bit codes (Q4_0, Q4_1, Q4_K) are packed two a byte (`pack_nibbles`: halves of K, not neighbours, so a byte tile
+decodes into two plain tiles and two dots with no shuffle): batch 1 reads half the bytes. Compile variants: (regime,
+per-channel or group 16 / 32, offsets, packed, bias, split or not, dtype) per layer shape; the row count and the
+split count are runtime values.
 """
 
 from __future__ import annotations
@@ -39,6 +40,23 @@ _MAX_SPLIT = 8
 CODED_DO_NOT_SPECIALIZE = ["M", "stride_os"]
 
 
+@triton.jit
+def _decoded(
+    q, scale_ptr, offset_ptr, rows_n, offs_k, stride_sn, wmask, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr
+):
+    """A `[BLOCK_K, BLOCK_N]` tile of codes (k = `offs_k`) as float32 weights: `fma(scale, q, offset)` per group, or
+    the codes themselves per channel (scaled after the sum). Masked codes load as 0 with scale and offset 0."""
+    w = q.to(tl.float32)
+    if GROUP > 0:
+        at = rows_n[None, :] * stride_sn + (offs_k // GROUP)[:, None]
+        s = tl.load(scale_ptr + at, mask=wmask, other=0.0)
+        if HAS_OFFSETS:  # noqa: SIM108 - a constexpr branch, compiled once per variant
+            w = w * s + tl.load(offset_ptr + at, mask=wmask, other=0.0)
+        else:
+            w = w * s
+    return w
+
+
 @triton.jit(do_not_specialize=CODED_DO_NOT_SPECIALIZE)
 def _coded_matmul_kernel(
     x_ptr,
@@ -49,7 +67,8 @@ def _coded_matmul_kernel(
     out_ptr,
     M,
     N,
-    K,
+    k_cols,  # columns of codes: K, or K / 2 bytes when PACKED
+    half,  # PACKED: K / 2, the k of a byte's high nibble past its low one's
     k_per_split,
     stride_xm,
     stride_qn,
@@ -59,6 +78,7 @@ def _coded_matmul_kernel(
     GROUP: tl.constexpr,  # 0: per output channel; else k per scale (16 or 32)
     HAS_OFFSETS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PACKED: tl.constexpr,  # two 4-bit codes a byte: k = j in the low nibble of byte j, k = j + half in the high
     PARTIAL: tl.constexpr,  # write float32 partials of this program's K range (split-K), no bias
     DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -70,28 +90,28 @@ def _coded_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m, mask_n = offs_m < M, offs_n < N
     rows_n = offs_n.to(tl.int64)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    k_end = tl.minimum(k_start + k_per_split, k_cols)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_end
-        x = tl.load(
-            x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        # the codes' tile as [BLOCK_K, BLOCK_N] (W^T): masked codes are 0, so they add nothing
+        xmask = mask_m[:, None] & mask_k[None, :]
+        x = tl.load(x_rows + offs_k[None, :], mask=xmask, other=0.0)
+        # the codes' tile as [BLOCK_K, BLOCK_N] (W^T)
         wmask = mask_k[:, None] & mask_n[None, :]
-        w = tl.load(q_ptr + rows_n[None, :] * stride_qn + offs_k[:, None], mask=wmask, other=0).to(tl.float32)
-        if GROUP > 0:
-            at = rows_n[None, :] * stride_sn + (offs_k // GROUP)[:, None]
-            s = tl.load(scale_ptr + at, mask=wmask, other=0.0)
-            if HAS_OFFSETS:  # noqa: SIM108 - a constexpr branch, compiled once per variant
-                w = w * s + tl.load(offset_ptr + at, mask=wmask, other=0.0)
-            else:
-                w = w * s
-        acc += mma(x, w.to(x.dtype), DOT_FP32)
+        q = tl.load(q_ptr + rows_n[None, :] * stride_qn + offs_k[:, None], mask=wmask, other=0)
+        if PACKED:
+            q = q.to(tl.int32)
+            w = _decoded(q & 15, scale_ptr, offset_ptr, rows_n, offs_k, stride_sn, wmask, GROUP, HAS_OFFSETS)
+            acc += mma(x, w.to(x.dtype), DOT_FP32)
+            x_hi = tl.load(x_rows + (offs_k + half)[None, :], mask=xmask, other=0.0)
+            w_hi = _decoded(q >> 4, scale_ptr, offset_ptr, rows_n, offs_k + half, stride_sn, wmask, GROUP, HAS_OFFSETS)
+            acc += mma(x_hi, w_hi.to(x.dtype), DOT_FP32)
+        else:
+            w = _decoded(q, scale_ptr, offset_ptr, rows_n, offs_k, stride_sn, wmask, GROUP, HAS_OFFSETS)
+            acc += mma(x, w.to(x.dtype), DOT_FP32)
     if GROUP == 0:
         acc = acc * tl.load(scale_ptr + rows_n, mask=mask_n, other=0.0)[None, :]
     out_at = pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -102,6 +122,14 @@ def _coded_matmul_kernel(
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes `[N, K]` (0..15, K even) as `[N, K / 2]` uint8: byte j holds k = j (low nibble) and k = j + K / 2
+    (high). NOTE: halves rather than neighbours, so the kernel decodes two plain tiles with no shuffle."""
+    half = codes.shape[1] // 2
+    u = codes.to(torch.uint8)
+    return (u[:, :half] | (u[:, half:] << 4)).contiguous()
 
 
 @dataclass(frozen=True)
@@ -141,14 +169,17 @@ def coded_matmul(
     group: int,
     bias: torch.Tensor | None = None,
     split: int | None = None,
+    packed: bool = False,
 ) -> torch.Tensor:
-    """`x @ W.T + bias` for x `[M, K]` (bf16 / fp16 / fp32) and W as `codes` `[N, K]` int8 with float32 `scales`:
-    `[N, K // group]` (`group` 16 or 32, `offsets` alike or None) or `[N]` (`group` 0: per output channel, no
-    offsets). Returns `[M, N]` in x's dtype. `split`: the decode regime's K split (tests; default: planned)."""
+    """`x @ W.T + bias` for x `[M, K]` (bf16 / fp16 / fp32) and W as `codes` `[N, K]` int8 (`packed`: `[N, K / 2]`
+    uint8 from `pack_nibbles`) with float32 `scales`: `[N, K // group]` (`group` 16 or 32, `offsets` alike or None)
+    or `[N]` (`group` 0: per output channel, no offsets). Returns `[M, N]` in x's dtype. `split`: the decode regime's
+    K split (tests; default: planned)."""
     m, k = x.shape
     n = codes.shape[0]
-    if codes.shape[1] != k or codes.dtype != torch.int8:
-        raise ValueError(f"codes must be int8 [N, {k}], got {codes.dtype} {list(codes.shape)}")
+    cols, code_dtype = (k // 2, torch.uint8) if packed else (k, torch.int8)
+    if codes.shape[1] != cols or codes.dtype != code_dtype or codes.stride(-1) != 1 or (packed and k % 2):
+        raise ValueError(f"codes must be {code_dtype} [N, {cols}] (K={k}), got {codes.dtype} {list(codes.shape)}")
     if group not in (0, 16, 32) or (group and k % group) or (group == 0 and offsets is not None):
         raise ValueError(f"group must be 0 (per channel, no offsets), 16 or 32 dividing K={k}, got {group}")
     want = (n,) if group == 0 else (n, k // group)
@@ -160,10 +191,10 @@ def coded_matmul(
     if m == 0 or n == 0:
         return out
     sms = _sm_count(x.device.index or 0) if x.is_cuda else 4
-    plan = plan_coded_matmul(m, n, k, sms)
+    plan = plan_coded_matmul(m, n, cols, sms)
     if split is not None and m <= DECODE_ROWS:
         plan = CodedMatmulPlan(plan.block_m, plan.block_n, plan.block_k, split)
-    k_per_split = triton.cdiv(triton.cdiv(k, plan.block_k), plan.split) * plan.block_k
+    k_per_split = triton.cdiv(triton.cdiv(cols, plan.block_k), plan.split) * plan.block_k
     partial = plan.split > 1
     target = torch.empty((plan.split, m, n), dtype=torch.float32, device=x.device) if partial else out
     grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), plan.split)
@@ -176,7 +207,8 @@ def coded_matmul(
         target,
         m,
         n,
-        k,
+        cols,
+        k // 2 if packed else 0,
         k_per_split,
         x.stride(0),
         codes.stride(0),
@@ -186,6 +218,7 @@ def coded_matmul(
         GROUP=group,
         HAS_OFFSETS=offsets is not None,
         HAS_BIAS=bias is not None,
+        PACKED=packed,
         PARTIAL=partial,
         DOT_FP32=use_fp32_dot(x),
         BLOCK_M=plan.block_m,

@@ -12,15 +12,16 @@ import torch
 
 from kernels.reference import ref_coded_matmul
 from kernels.triton import coded_matmul
-from kernels.triton.coded_matmul import DECODE_ROWS, plan_coded_matmul
+from kernels.triton.coded_matmul import DECODE_ROWS, pack_nibbles, plan_coded_matmul
 from tests.kernels.conftest import DEVICE, DTYPES, INTERPRETED, assert_close
 
 # (group, offsets, code range): per channel int8; Q4_1-like (0..15, offsets); Q8_0-like; Q6_K-like (16 k, -32..31)
 LAYOUTS = [
-    pytest.param(0, False, (-127, 127), id="per-channel"),
-    pytest.param(32, True, (0, 15), id="g32-offsets"),
-    pytest.param(32, False, (-128, 127), id="g32"),
-    pytest.param(16, False, (-32, 31), id="g16"),
+    pytest.param(0, False, (-127, 127), False, id="per-channel"),
+    pytest.param(32, True, (0, 15), False, id="g32-offsets"),
+    pytest.param(32, True, (0, 15), True, id="g32-offsets-packed"),  # Q4_1 / Q4_K as the CUDA linears keep them
+    pytest.param(32, False, (-128, 127), False, id="g32"),
+    pytest.param(16, False, (-32, 31), False, id="g16"),
 ]
 # NOTE: interpreted, a few row counts that cross each regime's edges: 1 (batch-1 decode), 16 (the last decode row
 # count), 17 (the first prefill one, a 64-row tile mostly masked), 70 (two prefill row tiles).
@@ -38,16 +39,17 @@ def make_codes(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("group", "offsets", "lo_hi"), LAYOUTS)
+@pytest.mark.parametrize(("group", "offsets", "lo_hi", "packed"), LAYOUTS)
 @pytest.mark.parametrize("m", ROWS)
 def test_coded_matmul_matches_reference(
-    m: int, group: int, offsets: bool, lo_hi: tuple[int, int], dtype: torch.dtype
+    m: int, group: int, offsets: bool, lo_hi: tuple[int, int], packed: bool, dtype: torch.dtype
 ) -> None:
     n, k = 40, 160  # N: a 32-column tile and a masked one; K: 1.25 decode tiles, 2.5 prefill tiles
     codes, scales, off = make_codes(n, k, group, offsets, lo_hi)
     x = torch.randn(m, k, dtype=dtype, device=DEVICE)
     bias = torch.randn(n, dtype=dtype, device=DEVICE)
-    y = coded_matmul(x, codes, scales, off, group, bias)
+    held = pack_nibbles(codes) if packed else codes
+    y = coded_matmul(x, held, scales, off, group, bias, packed=packed)
     assert y.shape == (m, n) and y.dtype == dtype
     expected = ref_coded_matmul(x, codes, scales, off, group, bias)
     if dtype == torch.float32:
@@ -61,14 +63,24 @@ def test_coded_matmul_matches_reference(
     assert torch.isfinite(y).all() and (err <= bound).all(), (err - bound).max().item()
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("split", [1, 2, 3])
-def test_decode_split_k_sums_every_range_once(split: int) -> None:
-    """The K split's ranges cover K exactly once, whatever the split (3 does not divide the 5 tiles of K=608)."""
+def test_decode_split_k_sums_every_range_once(split: int, packed: bool) -> None:
+    """The K split's ranges cover K exactly once, whatever the split (3 does not divide the 5 tiles of K=608, nor
+    the 3 tiles of its 304 packed columns)."""
     n, k = 24, 608
     codes, scales, off = make_codes(n, k, 32, True, (0, 15))
     x = torch.randn(3, k, device=DEVICE)
-    y = coded_matmul(x, codes, scales, off, 32, split=split)
+    held = pack_nibbles(codes) if packed else codes
+    y = coded_matmul(x, held, scales, off, 32, split=split, packed=packed)
     assert_close("coded_matmul", y, ref_coded_matmul(x, codes, scales, off, 32), torch.float32)
+
+
+def test_packing_keeps_every_code() -> None:
+    codes = torch.randint(0, 16, (5, 64), dtype=torch.int8)
+    packed = pack_nibbles(codes)
+    assert packed.dtype == torch.uint8 and packed.shape == (5, 32)
+    assert torch.equal(torch.cat([packed & 15, packed >> 4], dim=1).to(torch.int8), codes)
 
 
 def test_empty_rows_and_bad_layouts_are_refused_by_name() -> None:
@@ -80,6 +92,8 @@ def test_empty_rows_and_bad_layouts_are_refused_by_name() -> None:
         coded_matmul(torch.randn(1, 64, device=DEVICE), codes, scales[:, :1].contiguous(), None, 32)
     with pytest.raises(ValueError, match="codes"):
         coded_matmul(torch.randn(1, 48, device=DEVICE), codes, scales, None, 32)
+    with pytest.raises(ValueError, match=r"codes must be torch\.uint8"):  # packed codes are bytes of K / 2
+        coded_matmul(torch.randn(1, 64, device=DEVICE), codes, scales, None, 32, packed=True)
 
 
 def test_plan_is_a_function_of_the_shape() -> None:
