@@ -140,37 +140,47 @@ def test_a_weight_without_codes_stays_plain_and_cuda_selects_the_codes_method() 
 
 
 @pytest.mark.slow  # ~75 s: every linear of two layers and a 49,152-row LM head interpreted
-def test_a_gguf_model_on_the_coded_gemm_gives_the_cpu_paths_tokens(tmp_path: Path, smollm2_dir: str) -> None:
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_gguf_model_on_the_coded_gemm_gives_the_cpu_paths_tokens(
+    tied: bool, tmp_path: Path, smollm2_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A Llama GGUF file whose matrices are Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 by turns (fused Q/K/V and gate/up mix
-    formats) loaded as the CUDA runner loads it (legacy codes from the file) and every linear run through
-    `coded_matmul` (interpreted here): the CPU coded path's greedy tokens (transformers' float32 decoding of the
-    file, by tests/test_greedy_equality.py's guarantee), prefill past 16 rows and decode."""
+    formats; the tied LM head reads the Q8_0 embedding's codes), loaded as the CUDA runner loads it (legacy codes
+    from the file, `CudaCodesMethod` selected) with every linear run through `coded_matmul` (interpreted): the CPU
+    coded path's greedy tokens (transformers' float32 decoding of the file, tests/test_greedy_equality.py), prefill
+    past 16 rows and decode."""
+    import json
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from gpu_check_quantized import write_gguf_model
 
     from engine_core import LLM, SamplingParams
-    from engine_core.model.layers.linear import UNQUANTIZED, process_linear_weights
-    from engine_core.model.loader import iter_weights
+    from engine_core.model import loader
+    from engine_core.worker import model_runner
     from tests.test_model_families import _tiny
 
-    kinds = write_gguf_model(_tiny("llama", tmp_path / "src", smollm2_dir), tmp_path / "gguf")
+    src = _tiny("llama", tmp_path / "src", smollm2_dir)
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": tied}))
+    kinds = write_gguf_model(src, tmp_path / "gguf")
     assert set(kinds.values()) == {"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"}
-    llm = LLM(str(tmp_path / "gguf"), kv_cache_memory=0.05, enable_prefix_caching=False)
+    assert ("lm_head.weight" in kinds) != tied
     prompts = [{"prompt_token_ids": list(range(300, 340))}, {"prompt_token_ids": [5, 900, 17]}]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0)
-    want = llm.generate(prompts, params, use_tqdm=False)
+    want = LLM(str(tmp_path / "gguf"), kv_cache_memory=0.05).generate(prompts, params, use_tqdm=False)
+
+    # the CUDA runner's two choices, on this CPU: the legacy formats' codes from the file, and the CUDA method
+    def iter_with_legacy_codes(model_dir: str, hf: object, with_codes: bool = False, legacy_codes: bool = False):
+        return loader.iter_weights(model_dir, hf, with_codes, legacy_codes=True)
+
+    monkeypatch.setattr(model_runner, "iter_weights", iter_with_legacy_codes)
+    monkeypatch.setattr(model_runner, "select_linear_method", lambda *a, **k: CudaCodesMethod(int8=False))
+    llm = LLM(str(tmp_path / "gguf"), kv_cache_memory=0.05)
     runner = llm.core.executor
-    model = runner.model
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
-    for layer in linears:
-        layer.weight = torch.nn.Parameter(torch.empty(layer.out_features, layer.in_features), requires_grad=False)
-        layer.method, layer.cpu_forms = UNQUANTIZED, None
-    model.load_weights(iter_weights(str(tmp_path / "gguf"), runner.hf_config, with_codes=True, legacy_codes=True))
-    process_linear_weights(model, CudaCodesMethod(int8=False))
-    runner.decode_step = None  # the native step reads CPU forms; the layer loop reads the codes
-    assert all(layer.device_codes is not None and layer.weight is None for layer in linears)
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert runner.decode_step is None  # no native step: the layer loop runs every linear's `apply`
+    assert len(linears) == 2 * 4 + 1 and all(m.device_codes is not None and m.weight is None for m in linears)
     got = llm.generate(prompts, params, use_tqdm=False)
     for w, g in zip(want, got, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
