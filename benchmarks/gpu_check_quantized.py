@@ -70,6 +70,8 @@ def run(c: Check) -> dict[str, object]:
         t0 = time.monotonic()
         try:
             result[name] = fn(c)
+            if result[name].get("errors"):  # type: ignore[attr-defined]
+                result["failed_checks"].append(name)  # type: ignore[attr-defined]
         except Exception as e:  # recorded; the next sub-check still runs
             result[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2500:]}
             result["failed_checks"].append(name)  # type: ignore[attr-defined]
@@ -330,6 +332,6 @@ def check_int8(c: Check) -> dict[str, object]:
             batch1[name] = {"error": f"{type(e).__name__}: {e}"}
     result["batch1_decode"] = batch1
     result["batch1_dtype"] = c.dtype
-    failed = [k for k, v in batch1.items() if "error" in v]  # type: ignore[operator]
-    assert not failed, f"batch-1 runs failed: {failed}"
+    # NOTE: a failed run fails the sub-check (run() reads `errors`) without losing the others' numbers
+    result["errors"] = [k for k, v in batch1.items() if "error" in v]  # type: ignore[operator]
     return result
