@@ -21,6 +21,10 @@ ones after it, and the JSON file is rewritten after each, so a run cut short sti
 5. `throughput`   `benchmarks/offline_throughput.py`'s workload, Pagoda vs transformers (`generate`, and a plain
                   forward loop at batch 1), on the same GPU, bf16; then Pagoda alone on `--scale-requests`.
 6. `host_profile` cProfile of that scaled run: where the host's time goes between kernels.
+6b. `quantized`  the CUDA linears on int8 codes (benchmarks/gpu_check_quantized.py): the coded Triton GEMM against its
+                  reference and `F.linear` at SmolLM2 / Llama-3-8B linear shapes (error, ms, GB/s at M = 1); a GGUF
+                  file of the random model in Q8_0 ... Q5_1: float32 greedy tokens == transformers' (asserted);
+                  `quantization="int8"`: top-1 agreement with float32, batch-1 ms/token int8 vs bf16 vs GGUF.
 7. `kernel_tests` `pytest tests/kernels` on the device (CUDA tensors, fp32 / bf16 / fp16 against the torch
                   references), in a subprocess; last, because compiling its ~100 variants takes the longest.
 
@@ -190,7 +194,7 @@ def section_environment(c: Check) -> dict[str, object]:
 
 
 def _triton_kernels() -> dict[str, object]:
-    mods = ["decode_attention", "prefill_attention", "store_kv", "fused"]
+    mods = ["decode_attention", "prefill_attention", "store_kv", "fused", "coded_matmul"]
     found = {}
     for m in mods:
         module = importlib.import_module(f"kernels.triton.{m}")
@@ -502,6 +506,11 @@ def _hf_forward_loop_ms(model_dir: Path, device: str, dtype: str, prompt: list[i
     return ms
 
 
+def section_quantized(c: Check) -> dict[str, object]:
+    """Its sub-checks each record their numbers or error (gpu_check_quantized.py); `failed_checks` fails the section."""
+    return importlib.import_module("gpu_check_quantized").run(c)
+
+
 def section_host_profile(c: Check) -> dict[str, object]:
     """cProfile of `LLM.generate` over the scaled workload: what the host does per step while the GPU computes
     (on a GPU a small model's steps are bound by the host, not by the kernels)."""
@@ -546,6 +555,7 @@ SECTIONS: list[tuple[str, Callable[[Check], dict[str, object]], float]] = [
     ("kernel_bench", section_kernel_bench, 90),
     ("throughput", section_throughput, 90),
     ("host_profile", section_host_profile, 60),
+    ("quantized", section_quantized, 120),
     ("kernel_tests", section_kernel_tests, 60),
 ]
 
@@ -582,7 +592,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         try:
             res = fn(check)
-            status = "skipped" if "skipped" in res else "ok"
+            status = "skipped" if "skipped" in res else "fail" if res.get("failed_checks") else "ok"
+            if status == "fail":
+                failed.append(name)
         except Exception as e:  # a failed section is recorded and the next one still runs
             res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
             status = "fail"

@@ -143,3 +143,25 @@ def ref_gguf_decoded(w: torch.Tensor, kind: str) -> torch.Tensor:
     else:
         raise ValueError(f"kind must be q4_1 or q8_0, not {kind!r}")
     return out.reshape(n, k)
+
+
+def ref_coded_matmul(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    group: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`x @ W.T + bias` in fp32 with W decoded whole: `fma(scale, q, offset)` per `group` k, or per output channel
+    (`group` 0) `(x @ q.T) * scale`; returned in x's dtype, the weight rounded to it first as the kernel's tile is."""
+    q = codes.float()
+    if group == 0:
+        y = (x.float() @ q.to(x.dtype).float().T) * scales.float()
+    else:
+        d = scales.float().repeat_interleave(group, dim=1)
+        w = d * q if offsets is None else torch.addcmul(offsets.float().repeat_interleave(group, dim=1), d, q)
+        y = x.float() @ w.to(x.dtype).float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)

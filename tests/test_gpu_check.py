@@ -32,6 +32,7 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path: Path) -> None:
         "kernel_bench": "ok",
         "throughput": "ok",
         "host_profile": "ok",
+        "quantized": "ok",
         "kernel_tests": "ok",
     }
     assert report["environment"]["triton_interpreted"] == (not torch.cuda.is_available())
@@ -49,3 +50,9 @@ def test_gpu_check_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert report["features"]["checks"]["failed"] == []
     assert "engine_core" in report["host_profile"]["top_by"]["cumulative"]
     assert "2 passed" in report["kernel_tests"]["summary"]
+    quantized = report["quantized"]
+    assert quantized["failed_checks"] == []
+    assert quantized["kernel"]["worst_rel_err"] < 1e-5  # fp32 in the dry run
+    assert quantized["kernel"]["smollm2"][0]["int8_ms"] > 0 and quantized["kernel"]["llama8b"][0]["q4_1_gbs"] > 0
+    assert quantized["gguf_greedy"]["float32_codes_eq_transformers"] is True
+    assert quantized["int8"]["batch1_decode"]["gguf_codes"]["ms_per_token"] > 0

@@ -23,6 +23,7 @@ from gguf import GGMLQuantizationType, dequantize
 
 from engine_core.checkpoint.gguf_file import ARCHITECTURES, GgufTensor, check_architecture, read_index
 from engine_core.model.gguf_kquants import KQUANTS, unpack_kquant
+from engine_core.model.gguf_legacy_codes import LEGACY, unpack_legacy
 from engine_core.model.layers.block_codes import BlockCodes
 
 Q = GGMLQuantizationType
@@ -58,11 +59,12 @@ def hf_name(gguf_name: str) -> str | None:
 
 
 def iter_gguf_weights(
-    path: str | Path, num_heads: int, num_kv_heads: int, with_codes: bool = False
+    path: str | Path, num_heads: int, num_kv_heads: int, with_codes: bool = False, legacy_codes: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | BlockCodes]]:
     """Yields (HF name, float32 tensor) for every tensor of the file, decoded and unpermuted as transformers does;
     with `with_codes`, a K-quant matrix as its `BlockCodes` (whose `values()` is that tensor), for the linears that
-    compute from codes (layers/gguf_codes.py)."""
+    compute from codes (layers/gguf_codes.py); with `legacy_codes` too, a Q8_0 ... Q5_1 matrix as well
+    (gguf_legacy_codes.py; the CUDA linears, layers/cuda_codes.py)."""
     index = read_index(path)
     check_architecture(index)
     permuted = ARCHITECTURES[index.architecture]
@@ -77,8 +79,9 @@ def iter_gguf_weights(
             continue
         raw = data[tensor.offset : tensor.offset + tensor.nbytes]
         heads = num_heads if ".attn_q." in tensor.name else num_kv_heads if ".attn_k." in tensor.name else 0
-        if with_codes and tensor.kind in KQUANTS and len(tensor.shape) == 2:
-            codes = unpack_kquant(tensor.kind, raw, tensor.shape)
+        legacy = with_codes and legacy_codes and tensor.kind in LEGACY
+        if with_codes and (tensor.kind in KQUANTS or legacy) and len(tensor.shape) == 2:
+            codes = (unpack_legacy if legacy else unpack_kquant)(tensor.kind, raw, tensor.shape)
             if permuted and heads:
                 codes = codes.rows(_unpermute_rows(torch.arange(tensor.shape[0]), heads))
             yield name, codes

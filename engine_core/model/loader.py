@@ -74,16 +74,18 @@ def prefetch_weights(model_dir: str) -> None:
 
 
 def iter_weights(
-    model_dir: str, config: PretrainedConfig, with_codes: bool = False
+    model_dir: str, config: PretrainedConfig, with_codes: bool = False, legacy_codes: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | BlockCodes]]:
     """Yields (HF name, tensor) from the directory's GGUF file or from every safetensors file of it; with
-    `with_codes`, a GGUF K-quant matrix as its codes (model/gguf_weights.py)."""
+    `with_codes`, a GGUF K-quant matrix as its codes, with `legacy_codes` too a Q8_0 ... Q5_1 one
+    (model/gguf_weights.py)."""
     gguf = gguf_file(model_dir)
     if gguf is not None:
         # NOTE: imported here: gguf-py is needed for GGUF models only (the GPU check's machine has none).
         from engine_core.model.gguf_weights import iter_gguf_weights
 
-        yield from iter_gguf_weights(gguf, config.num_attention_heads, config.num_key_value_heads, with_codes)
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        yield from iter_gguf_weights(gguf, heads, kv_heads, with_codes, legacy_codes)
         return
     files = weight_files(model_dir)
     if not files:

@@ -110,7 +110,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.device(self.device):
             model = cls(hf, backend, self.max_model_len, self.tp)
-        model.load_weights(weight_format.weights(iter_weights(model_dir, hf, with_codes=True)))
+        # NOTE: the CUDA linears take every GGUF format's codes from the file (layers/cuda_codes.py); the CPU ones find
+        # the legacy formats' codes from the float32 weight themselves.
+        cuda = self.device.type == "cuda"
+        model.load_weights(weight_format.weights(iter_weights(model_dir, hf, with_codes=True, legacy_codes=cuda)))
         self.model = model.to(dtype=self.dtype).eval()
         # NOTE: after the dtype cast: each linear's method keeps its weight in the form(s) its kernels read, once.
         linear_method = select_linear_method(self.device, self.dtype, gemm_rows, self.gemm_dtype, weight_format.int8)

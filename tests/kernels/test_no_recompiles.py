@@ -17,6 +17,7 @@ import torch
 from kernels.triton import choose_num_splits, decode_attention, prefill_attention
 from tests.kernels.conftest import DEVICE, make_paged_cache
 
+coded_mod = importlib.import_module("kernels.triton.coded_matmul")
 decode_mod = importlib.import_module("kernels.triton.decode_attention")
 prefill_mod = importlib.import_module("kernels.triton.prefill_attention")
 
@@ -147,3 +148,18 @@ def test_tile_sizes_must_be_powers_of_two_at_least_16(field: str, value: int) ->
                 5,
                 block_m=value,
             )
+
+
+def test_coded_matmul_compiles_one_variant_per_regime_whatever_the_row_count() -> None:
+    """The decode graphs' buckets (1 ... 16 rows) and prefill's row counts each share a layer's variant."""
+    k, n = 256, 48
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int8, device=DEVICE)
+    scales, offsets = torch.rand(n, k // 32, device=DEVICE), torch.rand(n, k // 32, device=DEVICE)
+    with _Keys(coded_mod._coded_matmul_kernel) as keys:
+        for m in (1, 2, 3, 8, 16):
+            coded_mod.coded_matmul(torch.randn(m, k, device=DEVICE), codes, scales, offsets, 32, split=2)
+        decode = set(keys.keys)
+        for m in (17, 32, 33, 64):
+            coded_mod.coded_matmul(torch.randn(m, k, device=DEVICE), codes, scales, offsets, 32)
+    assert len(decode) == 1, decode
+    assert len(keys.keys) == 2, keys.keys

@@ -9,7 +9,8 @@ into the form(s) its kernels read and drops what none of them reads (`process_we
   its weights are processed;
 - `CpuFloat32Method` (cpu_float32.py): CPU float32, dispatched by row count (panel kernel, oneDNN, MKL);
 - `GgufCodesMethod` (gguf_codes.py): the same, and a weight that is exactly GGUF blocks decoded is kept as its codes;
-- `CpuBfloat16Method` (cpu_bfloat16.py), `CpuInt8Method` (cpu_int8.py): bf16 / int8 weights on CPU.
+- `CpuBfloat16Method` (cpu_bfloat16.py), `CpuInt8Method` (cpu_int8.py): bf16 / int8 weights on CPU;
+- `CudaCodesMethod` (cuda_codes.py): CUDA, GGUF codes or int8 per channel through the coded Triton GEMM.
 
 NOTE: room for what comes next, not built: column/row sharding for
 tensor parallelism narrows `weight_loader`'s copy to this rank's rows (column) or columns (row), as nano-vllm's
@@ -29,6 +30,7 @@ from engine_core.model.layers.block_codes import BlockCodes, cat_rows
 
 if TYPE_CHECKING:
     from engine_core.model.layers.cpu_forms import CpuWeightForms
+    from engine_core.model.layers.device_codes import DeviceCodes
 
 
 class LinearMethod(ABC):
@@ -83,6 +85,7 @@ class Linear(nn.Module):
         self.bias: nn.Parameter | None = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.method: LinearMethod = UNQUANTIZED
         self.cpu_forms: CpuWeightForms | None = None  # set by the CPU methods (cpu_forms.py), int8's too
+        self.device_codes: DeviceCodes | None = None  # set by the CUDA codes method (cuda_codes.py)
         # Each shard's GGUF codes where the checkpoint gave them (K-quants), until the method has read them
         self.block_codes: list[BlockCodes | None] = [None] * self.num_shards
 

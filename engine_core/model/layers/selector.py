@@ -8,6 +8,7 @@ from engine_core.model.layers.cpu_bfloat16 import CpuBfloat16Method
 from engine_core.model.layers.cpu_float32 import CpuFloat32Method
 from engine_core.model.layers.cpu_gemm_rows import CpuGemmRows, can_pack
 from engine_core.model.layers.cpu_int8 import CpuInt8Method
+from engine_core.model.layers.cuda_codes import CudaCodesMethod
 from engine_core.model.layers.gguf_codes import GgufCodesMethod
 from engine_core.model.layers.linear import UNQUANTIZED, LinearMethod
 
@@ -21,7 +22,10 @@ def select_linear_method(
 ) -> LinearMethod:
     """CPU float32 (with oneDNN): the row-count dispatch, reading GGUF codes where a weight has them (`rows`: this
     CPU's thresholds unless given); with `gemm_dtype` bfloat16 (activations float32): bf16 weights through oneDNN
-    (cpu_bfloat16.py); with `int8`: int8 weights (cpu_int8.py); anything else: `F.linear` on the plain weight."""
+    (cpu_bfloat16.py); with `int8`: int8 weights (cpu_int8.py); CUDA: GGUF codes or (`int8`) int8 weights through
+    the coded Triton GEMM, other weights plain (cuda_codes.py); anything else: `F.linear` on the plain weight."""
+    if device.type == "cuda":
+        return CudaCodesMethod(int8)
     if not can_pack(device, dtype):
         return UNQUANTIZED
     if int8:
