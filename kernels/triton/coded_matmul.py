@@ -42,18 +42,35 @@ CODED_DO_NOT_SPECIALIZE = ["M", "stride_os"]
 
 @triton.jit
 def _decoded(
-    q, scale_ptr, offset_ptr, rows_n, offs_k, stride_sn, wmask, GROUP: tl.constexpr, HAS_OFFSETS: tl.constexpr
+    q,
+    scale_ptr,
+    offset_ptr,
+    rows_n,
+    mask_n,
+    k_first,
+    k_lim,
+    stride_sn,
+    GROUP: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
-    """A `[BLOCK_K, BLOCK_N]` tile of codes (k = `offs_k`) as float32 weights: `fma(scale, q, offset)` per group, or
-    the codes themselves per channel (scaled after the sum). Masked codes load as 0 with scale and offset 0."""
+    """A `[BLOCK_K, BLOCK_N]` tile of codes (k = `k_first` + 0 .. BLOCK_K - 1, a multiple of GROUP) as float32
+    weights: `fma(scale, q, offset)` per group, or the codes themselves per channel (scaled after the sum).
+
+    NOTE: the scales (and offsets) load once per group, `[BLOCK_K / GROUP, BLOCK_N]`, and broadcast over the
+    group's k through a 3-d view: loading them per weight cost 8 bytes of loads per byte of codes. Groups at or past
+    `k_lim` load as 0 (their codes and x are masked to 0 too)."""
     w = q.to(tl.float32)
     if GROUP > 0:
-        at = rows_n[None, :] * stride_sn + (offs_k // GROUP)[:, None]
-        s = tl.load(scale_ptr + at, mask=wmask, other=0.0)
-        if HAS_OFFSETS:  # noqa: SIM108 - a constexpr branch, compiled once per variant
-            w = w * s + tl.load(offset_ptr + at, mask=wmask, other=0.0)
-        else:
-            w = w * s
+        groups = k_first // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        gmask = (groups[:, None] * GROUP < k_lim) & mask_n[None, :]
+        at = rows_n[None, :] * stride_sn + groups[:, None]
+        s = tl.load(scale_ptr + at, mask=gmask, other=0.0)
+        w3 = tl.reshape(w, (BLOCK_K // GROUP, GROUP, BLOCK_N)) * s[:, None, :]
+        if HAS_OFFSETS:
+            w3 = w3 + tl.load(offset_ptr + at, mask=gmask, other=0.0)[:, None, :]
+        w = tl.reshape(w3, (BLOCK_K, BLOCK_N))
     return w
 
 
@@ -104,13 +121,41 @@ def _coded_matmul_kernel(
         q = tl.load(q_ptr + rows_n[None, :] * stride_qn + offs_k[:, None], mask=wmask, other=0)
         if PACKED:
             q = q.to(tl.int32)
-            w = _decoded(q & 15, scale_ptr, offset_ptr, rows_n, offs_k, stride_sn, wmask, GROUP, HAS_OFFSETS)
+            w = _decoded(
+                q & 15,
+                scale_ptr,
+                offset_ptr,
+                rows_n,
+                mask_n,
+                k0,
+                k_end,
+                stride_sn,
+                GROUP,
+                HAS_OFFSETS,
+                BLOCK_K,
+                BLOCK_N,
+            )
             acc += mma(x, w.to(x.dtype), DOT_FP32)
             x_hi = tl.load(x_rows + (offs_k + half)[None, :], mask=xmask, other=0.0)
-            w_hi = _decoded(q >> 4, scale_ptr, offset_ptr, rows_n, offs_k + half, stride_sn, wmask, GROUP, HAS_OFFSETS)
+            w_hi = _decoded(
+                q >> 4,
+                scale_ptr,
+                offset_ptr,
+                rows_n,
+                mask_n,
+                k0 + half,
+                k_end + half,
+                stride_sn,
+                GROUP,
+                HAS_OFFSETS,
+                BLOCK_K,
+                BLOCK_N,
+            )
             acc += mma(x_hi, w_hi.to(x.dtype), DOT_FP32)
         else:
-            w = _decoded(q, scale_ptr, offset_ptr, rows_n, offs_k, stride_sn, wmask, GROUP, HAS_OFFSETS)
+            w = _decoded(
+                q, scale_ptr, offset_ptr, rows_n, mask_n, k0, k_end, stride_sn, GROUP, HAS_OFFSETS, BLOCK_K, BLOCK_N
+            )
             acc += mma(x, w.to(x.dtype), DOT_FP32)
     if GROUP == 0:
         acc = acc * tl.load(scale_ptr + rows_n, mask=mask_n, other=0.0)[None, :]
@@ -180,6 +225,8 @@ def coded_matmul(
     cols, code_dtype = (k // 2, torch.uint8) if packed else (k, torch.int8)
     if codes.shape[1] != cols or codes.dtype != code_dtype or codes.stride(-1) != 1 or (packed and k % 2):
         raise ValueError(f"codes must be {code_dtype} [N, {cols}] (K={k}), got {codes.dtype} {list(codes.shape)}")
+    if packed and group and (k // 2) % group:  # NOTE: the kernel loads a tile's scales per group
+        raise ValueError(f"packed codes need K / 2 to be a multiple of the group {group}, got K={k}")
     if group not in (0, 16, 32) or (group and k % group) or (group == 0 and offsets is not None):
         raise ValueError(f"group must be 0 (per channel, no offsets), 16 or 32 dividing K={k}, got {group}")
     want = (n,) if group == 0 else (n, k // group)

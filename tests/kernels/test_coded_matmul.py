@@ -44,7 +44,9 @@ def make_codes(
 def test_coded_matmul_matches_reference(
     m: int, group: int, offsets: bool, lo_hi: tuple[int, int], packed: bool, dtype: torch.dtype
 ) -> None:
-    n, k = 40, 160  # N: a 32-column tile and a masked one; K: 1.25 decode tiles, 2.5 prefill tiles
+    # N: a 32-column tile and a masked one; K: 1.25 decode tiles, 2.5 prefill tiles (packed: 96 columns of bytes,
+    # whose halves start on a group)
+    n, k = 40, 192 if packed else 160
     codes, scales, off = make_codes(n, k, group, offsets, lo_hi)
     x = torch.randn(m, k, dtype=dtype, device=DEVICE)
     bias = torch.randn(n, dtype=dtype, device=DEVICE)
@@ -66,9 +68,9 @@ def test_coded_matmul_matches_reference(
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("split", [1, 2, 3])
 def test_decode_split_k_sums_every_range_once(split: int, packed: bool) -> None:
-    """The K split's ranges cover K exactly once, whatever the split (3 does not divide the 5 tiles of K=608, nor
-    the 3 tiles of its 304 packed columns)."""
-    n, k = 24, 608
+    """The K split's ranges cover K exactly once, whatever the split (3 does not divide the 5 tiles of K=640, nor
+    the 3 tiles of its 320 packed columns)."""
+    n, k = 24, 640
     codes, scales, off = make_codes(n, k, 32, True, (0, 15))
     x = torch.randn(3, k, device=DEVICE)
     held = pack_nibbles(codes) if packed else codes
@@ -94,6 +96,9 @@ def test_empty_rows_and_bad_layouts_are_refused_by_name() -> None:
         coded_matmul(torch.randn(1, 48, device=DEVICE), codes, scales, None, 32)
     with pytest.raises(ValueError, match=r"codes must be torch\.uint8"):  # packed codes are bytes of K / 2
         coded_matmul(torch.randn(1, 64, device=DEVICE), codes, scales, None, 32, packed=True)
+    odd, odd_scales, _ = make_codes(8, 96, 32, False, (0, 15))  # K / 2 = 48: the high half starts inside a group
+    with pytest.raises(ValueError, match="K / 2 to be a multiple of the group"):
+        coded_matmul(torch.randn(1, 96, device=DEVICE), pack_nibbles(odd), odd_scales, None, 32, packed=True)
 
 
 def test_plan_is_a_function_of_the_shape() -> None:

@@ -50,7 +50,9 @@ class CudaCodesMethod(LinearMethod):
             offsets = None if given.offsets is None else given.offsets.to(device).contiguous()
             q = given.q
             # 4-bit codes (Q4_0, Q4_1, Q4_K) two a byte: half the bytes a decode step reads
-            packed = given.bits == 4 and q.shape[1] % 2 == 0 and int(q.min()) >= 0 and int(q.max()) <= 15
+            # (the halves must start on a group boundary: the kernel loads a tile's scales per group)
+            aligned = q.shape[1] % 2 == 0 and (q.shape[1] // 2) % given.group == 0
+            packed = given.bits == 4 and aligned and int(q.min()) >= 0 and int(q.max()) <= 15
             q = (kernel.pack_nibbles(q) if packed else q).to(device).contiguous()
             codes = DeviceCodes(q, given.scales.to(device).contiguous(), offsets, given.group, packed=packed)
         else:
