@@ -205,12 +205,16 @@ def _triton_kernels() -> dict[str, object]:
 _MODE_TEST = "test_triton_mode.py::test_device_follows_the_one_decision"
 
 
+_DEFAULT_MODEL_TEST = "test_coded_linear.py::test_the_default_models_projections_all_have_codes"
+
+
 def section_kernel_tests(c: Check) -> dict[str, object]:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider"]
     if c.dry_run:  # two cheap tests prove the subprocess wiring
         cmd += [f"tests/kernels/{t}" for t in ("test_store_kv.py::test_store_kv_all_skipped_and_empty", _MODE_TEST)]
     else:
-        cmd.append("tests/kernels")
+        # NOTE: that test reads the packaged default model, which the device image lacks (no registry there).
+        cmd += ["tests/kernels", "--deselect", f"tests/kernels/{_DEFAULT_MODEL_TEST}"]
     if not c.dry_run and importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", "8"]  # compiling the variants is the slow part, and it is CPU work: spread it
     timeout = max(30.0, c.time_left() - 15)
