@@ -35,9 +35,30 @@ constexpr int64_t kChunk = 16;  // K/V rows scored or accumulated per step of th
 // (64 sequences x ~440 tokens, SmolLM2 heads, 2 threads, blocks in allocation order, K/V from DRAM): 3.50 -> 1.95
 // ms per layer. Software prefetch of the next chunk instead was slower; a larger block size gained nothing in the
 // engine.
+// NOTE: the loads feed two OR chains of vector registers, not one chain of scalar float adds: the adds' latency
+// (3 cycles each, 7 per row) had the touch take ~12 % of the kernel where the rows were already in L2 (perf, 8 rows
+// x ~250 tokens, bf16 cache), and the chain held the loads' retirement in order.
 template <typename T>
 inline void touch_rows(const T* p, int64_t n, int64_t row, int64_t elems) {
   constexpr int64_t kLine = 64 / sizeof(T);
+#if defined(__AVX512F__)
+  if (elems >= kLine) {
+    __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* r = p + t * row;
+      int64_t i = 0;
+      for (; i + 2 * kLine <= elems; i += 2 * kLine) {
+        a0 = _mm512_or_si512(a0, _mm512_loadu_si512(r + i));
+        a1 = _mm512_or_si512(a1, _mm512_loadu_si512(r + i + kLine));
+      }
+      // the rest of the row (under two lines): 64-byte loads, the last ending at the row's end (never past it)
+      if (i < elems) a0 = _mm512_or_si512(a0, _mm512_loadu_si512(r + std::min(i, elems - kLine)));
+      if (i + kLine < elems) a1 = _mm512_or_si512(a1, _mm512_loadu_si512(r + elems - kLine));
+    }
+    asm volatile("" : : "v"(a0), "v"(a1));
+    return;
+  }
+#endif
   float sink = 0.0f;
   for (int64_t t = 0; t < n; ++t) {
     const T* r = p + t * row;
@@ -56,7 +77,8 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 
 // Lane j of the result = the sum of the 16 lanes of a[j] (a transpose-and-add tree: 15 adds for 16 sums).
-inline __m512 reduce16(const __m512* a) {
+// NOTE: always inlined: GCC kept it a call, storing the 16 accumulators to the stack and reloading them.
+__attribute__((always_inline)) inline __m512 reduce16(const __m512* a) {
   __m512 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
@@ -106,9 +128,56 @@ inline void accumulate_group(const float* const* p, const T* v, int64_t n, int64
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(o[g] + 16 * c, acc[g][c]);
 }
 
+// accumulate_group for head_dim 64 (NC = 4), the same FMAs in the same order with named accumulators.
+// NOTE: GCC kept one of the array's accumulators on the stack in the (4 x 3) bf16 case, a store and a reload on every
+// V row (~14 % of the kernel's samples in perf); named variables stay in registers (as in panel_linear.cpp).
+#define ACC4_ROW(g)                                                                     \
+  if constexpr (GG > g) {                                                               \
+    const __m512 pt = _mm512_set1_ps(p##g[t]);                                          \
+    a##g##0 = _mm512_fmadd_ps(pt, v0, a##g##0);                                         \
+    a##g##1 = _mm512_fmadd_ps(pt, v1, a##g##1);                                         \
+    a##g##2 = _mm512_fmadd_ps(pt, v2, a##g##2);                                         \
+    a##g##3 = _mm512_fmadd_ps(pt, v3, a##g##3);                                         \
+  }
+#define ACC4_LOAD(g)                                                                                          \
+  if constexpr (GG > g) {                                                                                     \
+    a##g##0 = _mm512_loadu_ps(o##g), a##g##1 = _mm512_loadu_ps(o##g + 16), a##g##2 = _mm512_loadu_ps(o##g + 32), \
+    a##g##3 = _mm512_loadu_ps(o##g + 48);                                                                     \
+  }
+#define ACC4_STORE(g)                                                                                       \
+  if constexpr (GG > g) {                                                                                   \
+    _mm512_storeu_ps(o##g, a##g##0), _mm512_storeu_ps(o##g + 16, a##g##1), _mm512_storeu_ps(o##g + 32, a##g##2); \
+    _mm512_storeu_ps(o##g + 48, a##g##3);                                                                   \
+  }
+template <int GG, typename T>
+inline void accumulate_group4(const float* const* p, const T* v, int64_t n, int64_t row, float* const* o) {
+  const float *p0 = p[0], *p1 = GG > 1 ? p[1] : nullptr, *p2 = GG > 2 ? p[2] : nullptr, *p3 = GG > 3 ? p[3] : nullptr;
+  float *o0 = o[0], *o1 = GG > 1 ? o[1] : nullptr, *o2 = GG > 2 ? o[2] : nullptr, *o3 = GG > 3 ? o[3] : nullptr;
+  __m512 a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33;
+  ACC4_LOAD(0) ACC4_LOAD(1) ACC4_LOAD(2) ACC4_LOAD(3)
+  for (int64_t t = 0; t < n; ++t) {
+    const T* vt = v + t * row;
+    const __m512 v0 = load16(vt), v1 = load16(vt + 16), v2 = load16(vt + 32), v3 = load16(vt + 48);
+    ACC4_ROW(0) ACC4_ROW(1) ACC4_ROW(2) ACC4_ROW(3)
+  }
+  ACC4_STORE(0) ACC4_STORE(1) ACC4_STORE(2) ACC4_STORE(3)
+}
+#undef ACC4_ROW
+#undef ACC4_LOAD
+#undef ACC4_STORE
+
 template <int NC, int MaxGG, typename T>
 inline void accumulate_heads(const float* const* p, int64_t G, const T* v, int64_t n, int64_t row, float* const* o) {
   for (int64_t g = 0; g < G; g += MaxGG) {
+    if constexpr (NC == 4) {
+      switch (std::min<int64_t>(MaxGG, G - g)) {
+        case 1: accumulate_group4<1, T>(p + g, v, n, row, o + g); break;
+        case 2: accumulate_group4<2, T>(p + g, v, n, row, o + g); break;
+        case 3: accumulate_group4<3, T>(p + g, v, n, row, o + g); break;
+        default: accumulate_group4<4, T>(p + g, v, n, row, o + g); break;
+      }
+      continue;
+    }
     switch (std::min<int64_t>(MaxGG, G - g)) {
       case 1: accumulate_group<NC, 1, T>(p + g, v, n, row, o + g); break;
       case 2: accumulate_group<NC, 2, T>(p + g, v, n, row, o + g); break;
@@ -146,6 +215,20 @@ inline void accumulate_rows(const float* const* p, int64_t G, const T* v, int64_
       for (int64_t d = 0; d < D; ++d) og[d] += pt * static_cast<float>(vt[d]);
     }
   }
+}
+
+// The largest of x[0, n) (-inf for n = 0). NOTE: GCC left `omp simd reduction(max)` over std::max scalar (~9 % of
+// the kernel in the perf profile above); the maximum does not depend on the order, so the bits are the same.
+inline float max_of(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t l = 0;
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(m);
+  for (; l + 16 <= n; l += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + l));
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (; l < n; ++l) m = std::max(m, x[l]);
+  return m;
 }
 
 template <typename T>
@@ -205,9 +288,7 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, Scratch& 
   // Softmax per query head (vectorised exp through libmvec).
   for (int64_t j = 0; j < heads; ++j) {
     float* sj = s.scores.data() + j * stride;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t l = 0; l < L; ++l) m = std::max(m, sj[l]);
+    const float m = max_of(sj, L);
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t l = 0; l < L; ++l) {
