@@ -133,7 +133,6 @@ void weight_only(float* out, const float* x, int64_t ldx, int64_t M, const int8_
 //   sum_k xq[k] w[k] = 256 * (sum_k (w[k] + 128) hi[k] - 128 * sum_k hi[k]) + sum_k lo[k] w[k],
 // where sum_k hi[k] is x's own (taken once per row as it is quantized). Both dot products are exact int32 sums while
 // K < 2^16 (255 * 128 * K < 2^31); they meet exactly in a double and are rounded once to float32.
-constexpr int kA16Mr = 2;  // rows per tile: kNb x 2 x rows accumulators, the x bytes and a code vector in registers
 constexpr int64_t kA16MaxK = int64_t{1} << 16;  // K from which an int32 sum could overflow: the float32 kernel then
 
 int64_t padded_k(int64_t K) { return (K + 63) / 64 * 64; }
@@ -186,50 +185,37 @@ inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
 }
 static_assert(kNb == 4, "reduce4 sums one tile's four channels");
 
-// sums[r][j] = sum_k xq[r][k] * codes[j][k], exactly, for MR rows (their hi / lo bytes, row stride Kp; hi_sum) and
-// kNb channels (rows `w[j]` of the codes, K bytes each; the last K % 64 read masked, so the x padding meets zeros).
-template <int MR>
-void a16_tile(const int8_t* hi, const uint8_t* lo, int64_t Kp, const int32_t* hi_sum, const int8_t* const* w,
-              int64_t K, double sums[kA16Mr][kNb]) {
+// sums[j] = sum_k xq[k] * codes[j][k], exactly, for one row of x (its hi / lo bytes and hi_sum) and kNb channels
+// (rows `w[j]` of the codes, K bytes each; the last K % 64 read masked, so the x padding meets zeros).
+// NOTE: one row per call: with two, GCC kept the 16 accumulators on the stack (2.5x the time of one row); the
+// other rows of a step re-read the tile's codes (kNb x K bytes) from L1, so DRAM still streams them once.
+void a16_tile(const int8_t* hi, const uint8_t* lo, int32_t hi_sum, const int8_t* const* w, int64_t K,
+              double sums[kNb]) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i acc_hi[MR][kNb], acc_lo[MR][kNb];
-  for (int r = 0; r < MR; ++r) {
-    for (int j = 0; j < kNb; ++j) acc_hi[r][j] = acc_lo[r][j] = _mm512_setzero_si512();
-  }
+  __m512i acc_hi[kNb], acc_lo[kNb];
+  for (int j = 0; j < kNb; ++j) acc_hi[j] = acc_lo[j] = _mm512_setzero_si512();
   // NOTE: one loop with the tail's mask computed in it (a lambda for the step kept the accumulators on the stack)
   for (int64_t k = 0; k < K; k += 64) {
     const __mmask64 mask = K - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (K - k)) - 1;
-    __m512i h[MR], l[MR];
-    for (int r = 0; r < MR; ++r) {
-      h[r] = _mm512_loadu_si512(hi + r * Kp + k);
-      l[r] = _mm512_loadu_si512(lo + r * Kp + k);
-    }
+    const __m512i h = _mm512_loadu_si512(hi + k), l = _mm512_loadu_si512(lo + k);
     for (int j = 0; j < kNb; ++j) {
       // NOTE: the codes kPrefetchTiles channel tiles ahead (the same offset kNb * K on, as the float32 kernel's),
       // into L2, not L1: measured from DRAM at 1 row, one thread, the 30 layers and LM head of SmolLM2-135M, T0
-      // prefetches left this kernel at 2.7x the read bandwidth's floor and T1 at 1.0x (2.4x with none at 16 KB);
-      // the L1 prefetches held the core's few L1 miss buffers that the demand loads then waited for.
+      // prefetches (two tiles or 16 KB ahead) left this kernel at 2.4-2.7x the read bandwidth's floor, none at
+      // 3.2x, T1 at 1.0x (the L1 prefetches hold the core's few L1 miss buffers the demand loads then wait for).
       _mm_prefetch(reinterpret_cast<const char*>(w[j] + k + kPrefetchTiles * kNb * K), _MM_HINT_T1);
       const __m512i wv = _mm512_maskz_loadu_epi8(mask, w[j] + k);
       const __m512i wu = _mm512_xor_si512(wv, flip);  // w + 128 as u8 (the padding's 128 meets hi = 0)
-      for (int r = 0; r < MR; ++r) {
-        acc_hi[r][j] = _mm512_dpbusd_epi32(acc_hi[r][j], wu, h[r]);
-        acc_lo[r][j] = _mm512_dpbusd_epi32(acc_lo[r][j], l[r], wv);
-      }
+      acc_hi[j] = _mm512_dpbusd_epi32(acc_hi[j], wu, h);
+      acc_lo[j] = _mm512_dpbusd_epi32(acc_lo[j], l, wv);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    alignas(16) int32_t hs[kNb], ls[kNb];
-    _mm_store_si128(reinterpret_cast<__m128i*>(hs), reduce4(acc_hi[r][0], acc_hi[r][1], acc_hi[r][2], acc_hi[r][3]));
-    _mm_store_si128(reinterpret_cast<__m128i*>(ls), reduce4(acc_lo[r][0], acc_lo[r][1], acc_lo[r][2], acc_lo[r][3]));
-    const int32_t offset = 128 * hi_sum[r];
-    for (int j = 0; j < kNb; ++j) sums[r][j] = 256.0 * (hs[j] - offset) + ls[j];
-  }
+  alignas(16) int32_t hs[kNb], ls[kNb];
+  _mm_store_si128(reinterpret_cast<__m128i*>(hs), reduce4(acc_hi[0], acc_hi[1], acc_hi[2], acc_hi[3]));
+  _mm_store_si128(reinterpret_cast<__m128i*>(ls), reduce4(acc_lo[0], acc_lo[1], acc_lo[2], acc_lo[3]));
+  const int32_t offset = 128 * hi_sum;
+  for (int j = 0; j < kNb; ++j) sums[j] = 256.0 * (hs[j] - offset) + ls[j];
 }
-
-using A16Tile = void (*)(const int8_t*, const uint8_t*, int64_t, const int32_t*, const int8_t* const*, int64_t,
-                         double[kA16Mr][kNb]);
-constexpr A16Tile kA16Tiles[kA16Mr + 1] = {nullptr, a16_tile<1>, a16_tile<2>};
 
 void weight_only_a16(float* out, const float* x, int64_t ldx, int64_t M, const int8_t* codes, const float* scale,
                      const float* bias, int64_t N, int64_t K) {
@@ -249,19 +235,16 @@ void weight_only_a16(float* out, const float* x, int64_t ldx, int64_t M, const i
                     hi_sums.data());
   const int64_t tiles = (N + kNb - 1) / kNb;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    double sums[kA16Mr][kNb];
+    double sums[kNb];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kNb, cols = std::min<int64_t>(kNb, N - n0);
       const int8_t* w[kNb];
       for (int j = 0; j < kNb; ++j) w[j] = codes + (n0 + std::min<int64_t>(j, cols - 1)) * K;  // a short tile repeats
-      for (int64_t r = 0; r < M; r += kA16Mr) {
-        const int64_t mr = std::min<int64_t>(kA16Mr, M - r);
-        kA16Tiles[mr](hi + r * Kp, lo + r * Kp, Kp, hs + r, w, K, sums);
-        for (int64_t i = 0; i < mr; ++i) {
-          for (int64_t j = 0; j < cols; ++j) {
-            const float y = static_cast<float>(sums[i][j]) * s[r + i] * scale[n0 + j];
-            out[(r + i) * N + n0 + j] = bias != nullptr ? y + bias[n0 + j] : y;
-          }
+      for (int64_t r = 0; r < M; ++r) {
+        a16_tile(hi + r * Kp, lo + r * Kp, hs[r], w, K, sums);
+        for (int64_t j = 0; j < cols; ++j) {
+          const float y = static_cast<float>(sums[j]) * s[r] * scale[n0 + j];
+          out[r * N + n0 + j] = bias != nullptr ? y + bias[n0 + j] : y;
         }
       }
     }
