@@ -99,6 +99,11 @@ def test_weight_only_kernel_sums_16_bit_activations_exactly(rows: int, k: int, n
     got = cpu_kernels.int8_linear((x * 0.5).float(), codes.to(torch.int8), scale, bias, 1 << 62)
     want = (x @ codes.T).float() * 0.5 * scale + bias
     assert torch.allclose(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    # a row holding an inf or a NaN gives NaN outputs (not codes from a garbage scale) and leaves the other rows alone
+    bad = x.float().repeat(2, 1)
+    bad[0, k // 2], bad[1, k - 1] = float("inf"), float("nan")
+    got = cpu_kernels.int8_linear(bad, codes.to(torch.int8), torch.ones(n), None, 1 << 62)
+    assert torch.isnan(got[:2]).all() and torch.equal(got[2:], (x.repeat(2, 1)[2:] @ codes.T).float())
 
 
 @needs_vnni

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "ops.h"
@@ -145,11 +146,25 @@ void quantize_rows_a16(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t
     const float* row = x + m * ldx;
     int8_t* h = hi + m * Kp;
     uint8_t* l = lo + m * Kp;
-    __m512 mx = _mm512_setzero_ps();
+    __m512 mx = _mm512_setzero_ps(), nonfinite = _mm512_setzero_ps();
     int64_t k = 0;
-    for (; k + 16 <= K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+    for (; k + 16 <= K; k += 16) {
+      const __m512 v = _mm512_loadu_ps(row + k);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+      nonfinite = _mm512_add_ps(nonfinite, _mm512_mul_ps(v, _mm512_setzero_ps()));  // NaN once an inf or NaN passed
+    }
     float absmax = _mm512_reduce_max_ps(mx);
-    for (int64_t i = k; i < K; ++i) absmax = std::max(absmax, std::fabs(row[i]));
+    float check = _mm512_reduce_add_ps(nonfinite);
+    for (int64_t i = k; i < K; ++i) absmax = std::max(absmax, std::fabs(row[i])), check += row[i] * 0.0f;
+    if (!std::isfinite(check)) {
+      // NOTE: a row with an inf or NaN gives NaN outputs (float32 x would give inf / NaN there): its codes would be
+      // garbage, and max drops NaNs, so the scale is made NaN and the codes zero; the sampler then fails that row alone
+      s[m] = std::numeric_limits<float>::quiet_NaN();
+      std::fill(h, h + Kp, int8_t{0});
+      std::fill(l, l + Kp, uint8_t{0});
+      hi_sum[m] = 0;
+      continue;
+    }
     const float sm = absmax > 0.0f ? absmax / 32767.0f : 1.0f;
     s[m] = sm;
     // NOTE: a divide, as quantize_rows: |x / s| <= 32767 holds exactly, so hi never leaves [-128, 127]
