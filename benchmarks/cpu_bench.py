@@ -7,8 +7,8 @@
   up to 64 rows, the coded kernel (`coded_linear`: the same weights read as GGUF blocks, Q4_1 for the layers and
   Q8_0 for the LM head as in the default model; every kernel runs the same random weights, which are such blocks),
   bf16 oneDNN (as `dtype="bfloat16"` runs it) and the two int8 kernels of `quantization="int8"` on the same weights
-  quantized per channel (`w8`: weight-only, float32 activations; `w8a8`: int8 activations with per-token scales, VNNI;
-  both kernels/cpu/int8_ops.cpp);
+  quantized per channel (`w8`: weight-only, activations in 16 bits per token on VNNI, float32 without it; `w8a8`:
+  int8 activations with per-token scales, VNNI; both kernels/cpu/int8_ops.cpp);
   then the coded kernel on the K-quants' record layouts (Q4_K: 4-bit, Q5_K: 8-bit, Q6_K: two 16-k halves) of
   random valid blocks of the same shapes (`--kquants`).
 - `attention`: decode attention per layer (9 query / 3 KV heads, head dim 64, block size 16, context lengths

@@ -68,12 +68,42 @@ def test_both_kernels_track_the_float_product_of_the_codes(
     zero = int8_gemm(w, torch.zeros(rows, k), bias)  # zero rows (scale 1, codes 0) give the bias exactly
     assert torch.equal(zero, bias.expand(rows, -1))
     rel = ((got.double() - want).norm() / (want - bias.double()).norm()).item()
-    # NOTE: measured ~1e-7 native weight-only (float32 x), ~0.3 % torch's (bf16 x) and ~0.8 % W8A8 (int8 x); a wrong
-    # scale or layout is >= 10 %
-    assert rel < (1e-5 if native and kernel == "weight_only" else 0.02), rel
+    # NOTE: measured ~3e-5 native weight-only (x in 16 bits per row on VNNI; ~1e-7 in float32 without it), ~0.3 %
+    # torch's (bf16 x) and ~0.8 % W8A8 (int8 x); a wrong scale or layout is >= 10 %
+    assert rel < (1e-4 if native and kernel == "weight_only" else 0.02), rel
     if native and kernel == "w8a8":  # the native passes quantize x as torch's did: the same codes, the same int32 sums
         monkeypatch.setattr(cpu_kernels, "available", lambda: False)
         assert torch.allclose(got, int8_gemm(w, x, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_vnni
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 576, 1536), (3, 130, 9), (2, 64, 4), (1, 1536, 7), (4, 7, 5)])
+def test_weight_only_kernel_sums_16_bit_activations_exactly(rows: int, k: int, n: int) -> None:
+    """The weight-only kernel on VNNI quantizes x per row to 16 bits (round(x / s), s = max|x| / 32767) and sums its
+    products with the codes in integers: with rows whose largest |x| is 32767 (s = 1, xq = x) and scales of 1, the
+    output is the exact integer product rounded once to float32. Shapes off the 64-byte vectors (K % 64), the
+    4-channel tiles (N % 4) and the 2-row tiles, and every extreme of x and the codes, included."""
+    if not cpu_kernels.available() or not cpu_kernels.int8_weight_only_vnni():
+        pytest.skip("no native VNNI weight-only kernel here")
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randint(-32767, 32768, (rows, k), generator=gen)
+    x[:, 0] = 32767
+    x[0, 1:] = -32767  # the most negative high byte in every position of one row
+    codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int64)
+    codes[0] = 127
+    codes[-1, 1:] = -127
+    got = cpu_kernels.int8_linear(x.float(), codes.to(torch.int8), torch.ones(n), None, 1 << 62)
+    assert torch.equal(got, (x @ codes.T).float())
+    # a channel's scale and the row's come in once each, on the float32 of the exact sum, then the bias
+    scale, bias = torch.rand(n, generator=gen) + 0.5, torch.randn(n, generator=gen)
+    got = cpu_kernels.int8_linear((x * 0.5).float(), codes.to(torch.int8), scale, bias, 1 << 62)
+    want = (x @ codes.T).float() * 0.5 * scale + bias
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    # a row holding an inf or a NaN gives NaN outputs (not codes from a garbage scale) and leaves the other rows alone
+    bad = x.float().repeat(2, 1)
+    bad[0, k // 2], bad[1, k - 1] = float("inf"), float("nan")
+    got = cpu_kernels.int8_linear(bad, codes.to(torch.int8), torch.ones(n), None, 1 << 62)
+    assert torch.isnan(got[:2]).all() and torch.equal(got[2:], (x.repeat(2, 1)[2:] @ codes.T).float())
 
 
 @needs_vnni

@@ -222,6 +222,12 @@ def int8_linear_vectorized() -> bool:
     return bool(torch.ops.pagoda_cpu.int8_linear_vectorized())
 
 
+def int8_weight_only_vnni() -> bool:
+    """Whether `int8_linear`'s weight-only rows run on VNNI dot products, x quantized per row to 16 bits and summed
+    exactly in integers (else float32 x and FMAs: kernels/cpu/int8_ops.cpp)."""
+    return bool(torch.ops.pagoda_cpu.int8_weight_only_vnni())
+
+
 @dataclass
 class DecodeLayerWeights:
     """What `decode_layers` needs of a Llama-family model, flattened once at load."""

@@ -1,7 +1,8 @@
 """CPU int8 linears (`quantization="int8"`): each weight resident once, as int8 codes per output channel
 (symmetric, float32 scales), read by two kernels on those same codes (kernels/cpu/int8_ops.cpp):
-- below `w8a8_m` rows, weight-only: 1 byte per weight streamed and widened to float32 in registers, float32
-  activations and accumulation;
+- below `w8a8_m` rows, weight-only: 1 byte per weight streamed; with AVX-512 VNNI each row of x quantized to 16 bits
+  (its own scale) into exact integer dot products with the codes, as good as float32 activations for the output
+  (without VNNI: the codes widened to float32 in registers, float32 activations and accumulation);
 - from `w8a8_m` rows, W8A8 (`torch._int_mm`, oneDNN's AVX-512 VNNI int8 GEMM): each row of x quantized to int8 with
   its own scale (dynamic per token) in one native pass, the int32 product scaled back by the row's and the
   channel's scales (+ bias) in place in another.
