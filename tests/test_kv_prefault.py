@@ -178,3 +178,28 @@ def test_highest_new_block_reads_every_kind_of_new_block() -> None:
     plan.beam_deltas = []
     assert highest_new_block(plan) == 12
     assert highest_new_block(SchedulerOutput()) == -1
+
+
+@pytest.mark.slow
+def test_an_idle_engine_walks_only_a_margin_past_the_blocks_its_steps_used(smollm2_dir: str) -> None:
+    """Through the runner: each step's new blocks move the walk's frontier, and an idle engine's resident KV stays
+    at the blocks handed out plus `AHEAD_BLOCKS` (the whole cache was resident soon after start-up)."""
+    from engine_core import LLM, SamplingParams
+
+    llm = LLM(smollm2_dir, dtype="float32", kv_cache_memory=0.25)
+    runner = llm.engine.runner
+    walk, kv, pool = runner.kv.prefaulter, runner.kv._whole, llm.engine.core.scheduler.kv.pool
+    assert walk is not None and kv is not None
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [list(range(1000 * (i + 1), 1000 * (i + 1) + 200 + 16 * i)) for i in range(3)]  # no shared prefix
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    used = [b.block_id for b in pool.blocks if b.block_hash is not None]  # the full blocks the steps wrote, cached
+    assert len(used) >= 3 * (200 + 40) // 16 - 3
+    time.sleep(1.0)  # idle: the walk has its gaps
+    if walk.unsupported:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    resident = block_resident(kv)
+    assert all(resident[b] for b in used)
+    limit = max(used) + 1 + kv_prefault.AHEAD_BLOCKS + 1  # + the partial last blocks the pool handed out after them
+    assert not any(resident[limit + kv_prefault.CHUNK_BLOCKS :])
+    assert sum(resident) < pool.num_blocks // 2
