@@ -5,14 +5,14 @@ maps guest memory on demand) 0.8-1.0 s per 256 MiB, so a 2 GiB KV cache took ~4 
 Anonymous `mmap` memory is zero by the kernel's guarantee and is faulted in on first write, so the cache is ready at
 once and pages appear as sequences fill them (a block's K/V is written before any kernel reads it).
 
-NOTE: the pages are faulted in ahead of use only while no step runs (kv_prefault.py, started by the model runner):
-a step that writes K/V into a block for the first time would pay its fault (a 2,048-token prefill chunk: ~4.5 ms
-per layer in `store_kv`, ~0.3 ms once mapped).
+NOTE: the pages are faulted in ahead of use only while no step runs, and only a margin past the blocks the pool has
+handed out (kv_prefault.py, started by the model runner): a step that writes K/V into a block beyond that for the
+first time pays its fault (a 2,048-token prefill chunk: ~4.5 ms per layer in `store_kv`, ~0.3 ms once mapped).
 
-NOTE: the price is that memory is committed lazily (until the prefaulter has walked the cache, soon after start-up
-on an idle engine): a host with less free memory than the KV budget would fail then rather than at allocation. So
-the budget is checked against what the host (and the container's cgroup) has left before the mapping is made, and a
-budget that cannot fit is refused at once, naming the setting.
+NOTE: the price is that memory is committed lazily, as the pool first hands blocks out: a host with less free memory
+than the KV budget would fail then rather than at allocation. So the budget is checked against what the host (and
+the container's cgroup) has left before the mapping is made, and a budget that cannot fit is refused at once, naming
+the setting.
 """
 
 from __future__ import annotations

@@ -18,8 +18,14 @@ are not shared by CPU priority. The thread releases the GIL in each call (ctypes
 NOTE: `IDLE_S` because steps run back to back with async scheduling (the next one is queued when one ends): a call
 started in the microseconds between two steps ran ~1 ms into the next, ~10 % of a batch-1 step, in every step until
 the walk was done (the first ~50 s after a start under load: the harness's batch-1 streams ran then).
-NOTE: the price is that the whole budget is resident soon after start-up, as with an engine that zero-fills its
-cache; the budget was already checked against the host's free memory when the mapping was made.
+NOTE: it walks no further than `AHEAD_BLOCKS` past the highest block the pool has handed out (`reached`, from each
+step's new blocks): the pool hands out never-used blocks in ascending ids, so the blocks the next requests get are
+the ones ready, and the cache's resident pages stay at what the steps used plus that margin instead of the whole
+budget. The whole walk made the offline benchmark's KV part grow with the idle gaps a run happened to leave (the
+steps' 1,255 MiB at the end of a quiet run, 1,312-1,445 MiB in loaded ones, the whole 2 GiB soon after `generate`
+returned), and a serving worker's RSS the whole budget soon after start-up (docs/benchmarks.md, "Peak RSS of the
+offline benchmark"). The price: a block beyond the margin is faulted by the step that first writes it, until the
+pool has handed out every block once (what a fresh offline run paid: 3-8 %, "The KV cache's first-touch faults").
 """
 
 from __future__ import annotations
@@ -34,11 +40,15 @@ import weakref
 import structlog
 import torch
 
+from engine_core.plan import SchedulerOutput
+
 log = structlog.get_logger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h (5.14)
 CHUNK_BLOCKS = 32  # blocks per call: 32 x 12 KiB for SmolLM2 at block size 16
 IDLE_S = 0.005  # a call starts only after this long without a step
+AHEAD_BLOCKS = CHUNK_BLOCKS  # blocks walked past the highest one handed out (~22 MiB for SmolLM2 in float32)
+FRONTIER_POLL_S = 1.0  # a walk waiting for the pool's frontier checks this often whether its cache is gone
 PAGE = 4096
 
 
@@ -50,6 +60,21 @@ def _madvise() -> ctypes._CFuncPtr | None:
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+def highest_new_block(plan: SchedulerOutput) -> int:
+    """The highest block id among the blocks `plan` hands to sequences (new ones, growing ones, forks); -1 if none."""
+    top = -1
+    for new in plan.new_seqs:
+        if new.block_ids:
+            top = max(top, max(new.block_ids))
+    for cached in plan.cached_seqs:
+        if cached.new_block_ids:
+            top = max(top, max(cached.new_block_ids))
+    for delta in plan.beam_deltas:
+        if delta.block_ids:
+            top = max(top, max(delta.block_ids))
+    return top
 
 
 _started: weakref.WeakSet[KvPrefaulter] = weakref.WeakSet()
@@ -73,14 +98,18 @@ def _join_at_exit() -> None:
 class KvPrefaulter:
     """Populates `cache` ([layers, 2, num_blocks, ...], contiguous, host memory) block chunk by block chunk.
 
-    `pause()`/`resume()` bracket each step; `close()` stops the thread (it also ends once everything is mapped)."""
+    `pause()`/`resume()` bracket each step, `reached(block_id)` moves the frontier; `close()` stops the thread (it
+    also ends once everything is mapped)."""
 
-    def __init__(self, cache: torch.Tensor, chunk_blocks: int = CHUNK_BLOCKS) -> None:
+    def __init__(self, cache: torch.Tensor, chunk_blocks: int = CHUNK_BLOCKS, ahead_blocks: int = AHEAD_BLOCKS) -> None:
         assert cache.device.type == "cpu" and cache.is_contiguous() and cache.dim() >= 3
         # NOTE: a weak reference: an engine that is dropped frees its cache, and the walk ends at its next call
         # (a strong one is held only across each call, so the mapping never goes away under madvise).
         self._cache = weakref.ref(cache)
         self._chunk = chunk_blocks
+        self._ahead = ahead_blocks
+        self._frontier = 0  # 1 + the highest block id handed out so far
+        self._advanced = threading.Event()  # set when the frontier moves (or the walk is closed)
         self._call_ranges = self._ranges(cache)
         self._idle = threading.Event()
         self._idle.set()
@@ -105,17 +134,24 @@ class KvPrefaulter:
             self._idle_since = time.monotonic()
             self._idle.set()
 
+    def reached(self, block_id: int) -> None:
+        """A step writes `block_id`: the walk may go on to `ahead_blocks` past the highest such block."""
+        if block_id >= self._frontier:
+            self._frontier = block_id + 1
+            self._advanced.set()
+
     def close(self) -> None:
         self._closed = True
         self._idle.set()
+        self._advanced.set()
 
     def join(self, timeout: float | None = None) -> bool:
         """True once the thread has ended (done, closed or unsupported)."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def _ranges(self, cache: torch.Tensor) -> list[tuple[int, int]]:
-        """(address, length) per call, page-aligned, in block-allocation order."""
+    def _ranges(self, cache: torch.Tensor) -> list[tuple[int, int, int]]:
+        """(address, length, end block) per call, page-aligned, in block-allocation order."""
         layers, halves, num_blocks = cache.shape[:3]
         block_bytes = cache[0, 0, 0].numel() * cache.element_size()
         base = cache.data_ptr()
@@ -128,7 +164,7 @@ class KvPrefaulter:
                     start = base + (layer * halves + half) * half_bytes + b0 * block_bytes
                     end = start + n * block_bytes
                     lo = start & ~(PAGE - 1)  # the mapping is page-aligned, so rounding stays inside it
-                    out.append((lo, ((end + PAGE - 1) & ~(PAGE - 1)) - lo))
+                    out.append((lo, ((end + PAGE - 1) & ~(PAGE - 1)) - lo, b0 + n))
         return out
 
     def _run(self) -> None:
@@ -146,13 +182,27 @@ class KvPrefaulter:
                 return
             time.sleep(left)
 
+    def _wait_frontier(self, end_block: int) -> bool:
+        """Returns once the blocks below `end_block` are within the margin; False once closed or the cache is gone."""
+        while True:
+            if self._closed or self._cache() is None:
+                return False
+            if end_block <= self._frontier + self._ahead:
+                return True
+            self._advanced.clear()
+            if end_block <= self._frontier + self._ahead:  # NOTE: moved between the check and the clear
+                return True
+            self._advanced.wait(FRONTIER_POLL_S)
+
     def _walk(self) -> None:
         madvise = _madvise()
         if madvise is None:
             self.unsupported = True
             return
         t0 = time.perf_counter()
-        for addr, length in self._call_ranges:
+        for addr, length, end_block in self._call_ranges:
+            if not self._wait_frontier(end_block):
+                return
             self._wait_idle()
             cache = self._cache()
             if self._closed or cache is None:

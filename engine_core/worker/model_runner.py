@@ -41,6 +41,7 @@ from engine_core.worker.driver_sampling import sample_on_driver
 from engine_core.worker.graph_steps import capture_graphs, cuda_graph_steps
 from engine_core.worker.host_allocator import HeapRelease, release_free_heap
 from engine_core.worker.input_batch import InputBatch
+from engine_core.worker.kv_prefault import highest_new_block
 from engine_core.worker.model_setup import (
     GIB,
     ModelInfo,
@@ -373,6 +374,9 @@ class ModelRunner:
             self.batch.append_blocks(cached.seq_id, cached.new_block_ids)
         if plan.copy_blocks:
             self.kv.copy_blocks(plan.copy_blocks)
+        walk = self.kv.prefaulter
+        if walk is not None and not walk.finished:  # NOTE: the KV walk stays near the blocks handed out (kv_prefault)
+            walk.reached(highest_new_block(plan))
 
     def _to_device(self, name: str, values: np.ndarray) -> torch.Tensor:
         """One step input on the model's device: through the pinned staging buffers on CUDA, as is on CPU."""
