@@ -15,6 +15,7 @@ from engine_core import LLM, SamplingParams
 from engine_core.checkpoint.compressed_tensors import parse_quantization_config
 from engine_core.config import EngineConfig
 from engine_core.model.compressed_tensors_weights import iter_int8_checkpoint
+from engine_core.model.layers import int8_gemm as int8_gemm_module
 from engine_core.model.layers.cpu_bfloat16 import this_cpu_flags
 from engine_core.model.layers.cpu_int8 import CpuInt8Method, int8_unsupported
 from engine_core.model.layers.int8_gemm import Int8Weight, int8_gemm, quantize_per_channel
@@ -255,3 +256,31 @@ def test_a_refused_compressed_tensors_scheme_fails_at_load_naming_the_field(tmp_
     (tmp_path / "config.json").write_text(json.dumps(_scheme(weights={"strategy": "tensor"})))
     with pytest.raises(ValueError, match=r"config_groups\.group_0\.weights\.strategy = 'tensor'"):
         LLM(str(tmp_path), kv_cache_memory=0.01)
+
+
+@pytest.mark.parametrize(
+    ("w8a8_wins", "expected"),
+    [
+        ((False, False, True, True, True, True), 8),  # the crossover the race finds
+        ((False, True, False, True, True, True), 16),  # W8A8 from a count it wins at every larger one
+        ((False,) * 6, 64),  # weight-only "wins" everywhere (a disturbed race): W8A8 from 64 rows anyway
+        ((False, False, False, False, True, False), 32),  # 64 rows are W8A8's whatever their race said
+    ],
+)
+def test_w8a8_crossover_is_at_most_the_largest_raced_row_count(
+    monkeypatch: pytest.MonkeyPatch, w8a8_wins: tuple[bool, ...], expected: int
+) -> None:
+    """The load-time race picks where W8A8 takes over; a race that a busy machine disturbs never runs 64-row steps
+    weight-only (several times W8A8's cost there). The timer is replaced by each count's outcome."""
+    outcomes = iter(w8a8_wins)
+
+    def race(runs: dict[str, object], repeats: int) -> dict[str, float]:
+        won = next(outcomes)
+        return {"weight_only": 2.0 if won else 1.0, "w8a8": 1.0 if won else 2.0}
+
+    monkeypatch.setattr(int8_gemm_module, "_best_of", race)
+    int8_gemm_module.w8a8_from_rows.cache_clear()
+    try:
+        assert int8_gemm_module.w8a8_from_rows() == expected
+    finally:
+        int8_gemm_module.w8a8_from_rows.cache_clear()

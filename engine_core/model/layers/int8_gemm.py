@@ -81,7 +81,7 @@ def _best_of(runs: dict[str, Callable[[], object]], repeats: int) -> dict[str, f
 @functools.cache
 def w8a8_from_rows() -> int:
     """The smallest raced row count from which W8A8 beats weight-only at it and every larger raced count, on a
-    SmolLM2-sized projection (best of 5 alternating, once per process, ~50 ms)."""
+    SmolLM2-sized projection (best of 5 alternating, once per process, ~50 ms); the largest raced count at most."""
     k, n = _RACE_SHAPE
     gen = torch.Generator().manual_seed(0)
     codes, scale = quantize_per_channel(torch.randn(n, k, generator=gen))
@@ -94,8 +94,11 @@ def w8a8_from_rows() -> int:
             5,
         )
         wins.append(best["w8a8"] < best["weight_only"])
-    from_rows = _W8A8_CANDIDATES[-1] * 2  # weight-only wins everywhere raced: W8A8 only above it
-    for m, won in zip(reversed(_W8A8_CANDIDATES), reversed(wins), strict=True):
+    # NOTE: W8A8 from the largest raced count at the latest, whatever the race says: weight-only re-reads the
+    # weights for every row, so at 64 rows it costs several times W8A8, and a race on a busy machine has been seen
+    # to call it the winner there (which would run every 64-row step weight-only).
+    from_rows = _W8A8_CANDIDATES[-1]
+    for m, won in zip(reversed(_W8A8_CANDIDATES[:-1]), reversed(wins[:-1]), strict=True):
         if not won:
             break
         from_rows = m
