@@ -38,7 +38,7 @@ LINEAR_SHAPES = {
     "llama8b": [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)],
 }
 ROWS = (1, 4, 16, 64, 512)
-TINY_LINEAR_SHAPES = {"smollm2": [(64, 48)], "llama8b": [(96, 40)]}
+TINY_LINEAR_SHAPES = {"smollm2": [(64, 48)], "llama8b": [(128, 40)]}  # packed: K / 2 a multiple of 32
 TINY_ROWS = (1, 17)
 # matrices of the GGUF file in these formats by turns (the 1-D norms stay F32, as llama.cpp writes them)
 GGUF_KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
