@@ -39,7 +39,6 @@ the model and a word-level tokenizer are generated here.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import json
 import os
@@ -65,6 +64,7 @@ INTERPRETED = configure_triton_interpret()
 
 import gpu_features
 import torch
+from gpu_features import free_gpu_memory
 
 # SmolLM2-135M's architecture (config.json of HuggingFaceTB/SmolLM2-135M-Instruct), with random weights.
 SMOLLM2_SHAPES = {
@@ -156,13 +156,6 @@ def build_random_model(path: Path, shapes: dict[str, object]) -> Path:
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def _free_gpu_memory() -> None:
-    """Before the next engine sizes its KV cache from free memory: drop the last one (cycles included)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 # ---- sections ------------------------------------------------------------------------------------------------------
@@ -297,7 +290,7 @@ def _greedy_pagoda(
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.shutdown()
     del llm
-    _free_gpu_memory()
+    free_gpu_memory()
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -312,7 +305,7 @@ def _greedy_hf(model_dir: Path, device: str, prompts: list[list[int]], n: int) -
             out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
             result.append(out[0, len(p) :].tolist())
     del model
-    _free_gpu_memory()
+    free_gpu_memory()
     return result
 
 
@@ -324,7 +317,7 @@ def _top1_pagoda(model_dir: Path, device: str, backend: str, dtype: str, prompts
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     del llm
-    _free_gpu_memory()
+    free_gpu_memory()
     return [next(t for t, lp in pos.items() if lp.rank == 1) for o in outs for pos in (o.prompt_logprobs or []) if pos]
 
 
@@ -335,7 +328,7 @@ def _top1_hf(model_dir: Path, device: str, dtype: str, prompts: list[list[int]])
     with torch.no_grad():
         top = [model(torch.tensor([p], device=device)).logits[0, :-1].argmax(-1).tolist() for p in prompts]
     del model
-    _free_gpu_memory()
+    free_gpu_memory()
     return [t for row in top for t in row]
 
 
@@ -448,13 +441,13 @@ def section_throughput(c: Check) -> dict[str, object]:
     )
     wl = c.workload(3 if c.dry_run else 64, 0)
     pagoda, _ = bench.run_pagoda(wl, args)
-    _free_gpu_memory()
+    free_gpu_memory()
     # NOTE: before/after of the mixed-step CUDA graphs (engine_core/worker/mixed_graphs.py) in the same run: steps with
     # prefill chunks launched eagerly, decode-only steps still graphs ("before" in docs/benchmarks.md, "GPU (H100)").
     eager_mixed, _ = bench.run_pagoda(wl, argparse.Namespace(**(vars(args) | {"mixed_graphs": False})))
-    _free_gpu_memory()
+    free_gpu_memory()
     hf = bench.run_hf(wl, args, str(c.model_dir()))
-    _free_gpu_memory()
+    free_gpu_memory()
     prompt = bench.batch1_prompt(args.batch1_prompt)
     loop_ms = _hf_forward_loop_ms(c.model_dir(), c.device, dtype, prompt, args.batch1_tokens)
     result: dict[str, object] = {
@@ -478,7 +471,7 @@ def section_throughput(c: Check) -> dict[str, object]:
                 (f"pagoda_scaled_{tokens}_eager_mixed_steps", False),
             ):
                 scaled, _ = bench.run_pagoda(big, argparse.Namespace(**(vars(scaled_args) | {"mixed_graphs": mixed})))
-                _free_gpu_memory()
+                free_gpu_memory()
                 result[name] = {
                     "requests": c.scale_requests,
                     "max_num_seqs": 256,
@@ -506,7 +499,7 @@ def _hf_forward_loop_ms(model_dir: Path, device: str, dtype: str, prompt: list[i
         _sync()
     ms = (time.perf_counter() - t0) / n * 1000
     del model, past
-    _free_gpu_memory()
+    free_gpu_memory()
     return ms
 
 
@@ -536,7 +529,7 @@ def section_host_profile(c: Check) -> dict[str, object]:
     profiler.disable()
     seconds = time.perf_counter() - t0
     del llm
-    _free_gpu_memory()
+    free_gpu_memory()
     tables = {}
     for order in ("tottime", "cumulative"):
         buf = io.StringIO()

@@ -17,7 +17,6 @@ numbers, and the partial report is written after each):
 
 from __future__ import annotations
 
-import gc
 import importlib
 import shutil
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from gpu_features import free_gpu_memory
 
 if TYPE_CHECKING:
     from gpu_check import Check
@@ -42,12 +42,6 @@ TINY_LINEAR_SHAPES = {"smollm2": [(64, 48)], "llama8b": [(128, 40)]}  # packed: 
 TINY_ROWS = (1, 17)
 # matrices of the GGUF file in these formats by turns (the 1-D norms stay F32, as llama.cpp writes them)
 GGUF_KINDS = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
-
-
-def _free_gpu_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _ms(fn: Callable[[], object]) -> float:
@@ -76,7 +70,7 @@ def run(c: Check) -> dict[str, object]:
             result[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-2500:]}
             result["failed_checks"].append(name)  # type: ignore[attr-defined]
         result[f"{name}_seconds"] = round(time.monotonic() - t0, 1)
-        _free_gpu_memory()
+        free_gpu_memory()
         c.results[SECTION] = {"status": "running", **result}
         c.write()
         failed = name in result["failed_checks"]  # type: ignore[operator]
@@ -137,7 +131,7 @@ def check_kernel(c: Check) -> dict[str, object]:
                     row["f_linear_gbs"] = dense_bytes / (row["f_linear_ms"] * 1e-3) / 1e9  # type: ignore[operator]
                 cases.append(row)
             del formats, dense
-            _free_gpu_memory()
+            free_gpu_memory()
         out[model] = cases
     out["worst_rel_err"] = worst
     # NOTE: bf16 tiles and output: ~2^-8 of the output's magnitude; a wrong scale, offset or tile is far above it
@@ -245,7 +239,7 @@ def check_gguf_greedy(c: Check) -> dict[str, object]:
                                                           use_tqdm=False)]  # fmt: skip
     llm.shutdown()
     del llm
-    _free_gpu_memory()
+    free_gpu_memory()
     hf_kwargs = transformers_kwargs(model_dir)
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **hf_kwargs).to(c.device).eval()
     hf = []
@@ -282,7 +276,7 @@ def _top1(c: Check, model_dir: Path, dtype: str, prompts: list[list[int]], quant
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     llm.shutdown()
     del llm
-    _free_gpu_memory()
+    free_gpu_memory()
     return [next(t for t, lp in pos.items() if lp.rank == 1) for o in outs for pos in (o.prompt_logprobs or []) if pos]
 
 
@@ -301,7 +295,7 @@ def _batch1_ms(c: Check, model_dir: Path, quantization: str | None) -> tuple[flo
     ms = throughput.pagoda_batch1(llm, args)
     llm.shutdown()
     del llm
-    _free_gpu_memory()
+    free_gpu_memory()
     return ms, methods
 
 

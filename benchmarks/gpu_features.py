@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 
-def _free() -> None:
+def free_gpu_memory() -> None:
+    """Before the next engine sizes its KV cache from free memory: drop the last one (cycles included). Shared by
+    gpu_check's sections."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -46,7 +48,7 @@ def _llm(model_dir: Path, device: str, dtype: str, **kw: object) -> object:
 def _close(llm: object) -> None:
     llm.shutdown()  # type: ignore[attr-defined]
     del llm
-    _free()
+    free_gpu_memory()
 
 
 def _run_checks(checks: dict[str, Callable[[], object]]) -> dict[str, object]:

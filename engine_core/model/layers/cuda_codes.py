@@ -16,7 +16,9 @@ and mixed steps' CUDA graphs capture it like any other op.
 
 from __future__ import annotations
 
+import functools
 import importlib
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -24,6 +26,12 @@ from torch import nn
 from engine_core.model.layers.device_codes import DeviceCodes
 from engine_core.model.layers.int8_gemm import quantize_per_channel
 from engine_core.model.layers.linear import Linear, LinearMethod
+
+
+@functools.cache
+def _kernel() -> ModuleType:
+    """kernels/triton/coded_matmul.py, imported on first use (on CUDA): the CPU engine never imports triton."""
+    return importlib.import_module("kernels.triton.coded_matmul")
 
 
 class CudaCodesMethod(LinearMethod):
@@ -43,8 +51,7 @@ class CudaCodesMethod(LinearMethod):
         given = None if self.int8 else layer.loaded_codes()
         if given is None and not self.int8:
             return  # no codes: the plain weight, as `UnquantizedLinearMethod`
-        # NOTE: the kernel is imported here, on CUDA, not at the top: the CPU engine never imports triton.
-        kernel = importlib.import_module("kernels.triton.coded_matmul")
+        kernel = _kernel()
         if given is not None:
             device = weight.device
             offsets = None if given.offsets is None else given.offsets.to(device).contiguous()
@@ -66,9 +73,8 @@ class CudaCodesMethod(LinearMethod):
         if codes is None:
             assert layer.weight is not None
             return nn.functional.linear(x, layer.weight, layer.bias)
-        kernel = importlib.import_module("kernels.triton.coded_matmul")
         rows = x.reshape(-1, x.shape[-1])
-        y = kernel.coded_matmul(
+        y = _kernel().coded_matmul(
             rows, codes.codes, codes.scales, codes.offsets, codes.group, layer.bias, packed=codes.packed
         )
         return y.view(*x.shape[:-1], y.shape[-1])
