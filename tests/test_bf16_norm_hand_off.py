@@ -12,7 +12,7 @@ import torch
 
 from engine_core.config import EngineConfig
 from engine_core.model.layers.cpu_bfloat16 import BF16_CODED_M
-from engine_core.model.layers.layer_ops import NativeCpuBf16Ops, NativeCpuOps
+from engine_core.model.layers.layer_ops import CosSin, NativeCpuBf16Ops, NativeCpuOps
 from engine_core.plan import CachedSequenceData, NewSequenceData, SchedulerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.worker.model_runner import ModelRunner
@@ -110,24 +110,38 @@ def _greedy_logprobs(runner: ModelRunner, prompts: dict[int, list[int]], steps: 
     return got
 
 
+class _WidenedProducts(NativeCpuOps):
+    """The casts the hand-off replaces: the GEMMs' bf16 products widened to fp32 before the plain native norm and
+    rotary (and the norm's fp32 output rounded to bf16 by the next GEMM)."""
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().add_rms_norm(x.float(), residual, weight, eps)
+
+    def split_rotate_qkv(
+        self, qkv: torch.Tensor, cos_sin: CosSin, num_heads: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return super().split_rotate_qkv(qkv.float(), cos_sin, num_heads, num_kv_heads, head_dim)
+
+
 @has_bf16_gemms
 def test_a_bf16_runner_gives_the_bits_of_the_casts_with_the_norm_hand_off(tiny_dir: Path) -> None:
     """10 sequences (decode steps of 10 rows, above BF16_CODED_M): the prefill step's layer loop and the native decode
-    step with the hand-off against the same runner with the casts (the plain native ops, o/down back in fp32, the
-    layer loop for decode steps): the same tokens and logprobs, bit for bit."""
+    step with the hand-off against the same runner with the casts (the plain native ops on the widened bf16
+    products, the layer loop for decode steps): the same tokens and logprobs, bit for bit."""
     prompts = {s: [(7 * s + 3 * i) % 200 + 1 for i in range(5 + s)] for s in range(10)}
     runner = _runner(tiny_dir)
     assert isinstance(runner.model.layers[0].input_layernorm.ops, NativeCpuBf16Ops)
     assert runner.decode_step is not None
     fused = _greedy_logprobs(runner, prompts, steps=4)
     runner.reset()
-    plain = NativeCpuOps()
+    plain = _WidenedProducts()
     for layer in runner.model.layers:
         for module in (layer.input_layernorm, layer.post_attention_layernorm, layer.self_attn, layer.mlp):
             module.ops = plain
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj):
             assert proj.cpu_forms is not None and proj.cpu_forms.bf16_out
-            proj.cpu_forms.bf16_out = False
     runner.model.norm.ops = plain
     runner.decode_step = None
     cast = _greedy_logprobs(runner, prompts, steps=4)

@@ -1,5 +1,6 @@
-"""dtype="bfloat16" on CPU: bf16 weights in oneDNN's GEMMs, activations float32 (model/layers/cpu_bfloat16.py); the
-choice by CPU flags; kv_cache_dtype (a bf16 cache under float32 attention on CPU) and its validation.
+"""dtype="bfloat16" on CPU: bf16 weights in the native bf16 GEMM (or oneDNN's), activations float32
+(model/layers/cpu_bfloat16.py); the choice by CPU flags; kv_cache_dtype (a bf16 cache under float32 attention on
+CPU) and its validation.
 
 Tolerance of a bf16 product: the inputs rounded to bf16 (8 bits of mantissa), accumulated in fp32, the product
 rounded to bf16 once more: within 2^-7 relative of the exact product of the rounded inputs.
@@ -17,6 +18,7 @@ from engine_core.config import EngineConfig
 from engine_core.model.layers.cpu_bfloat16 import (
     BF16_CODED_M,
     CpuBfloat16Method,
+    bf16_gemm_rows,
     bf16_gemm_unsupported,
     cpu_bf16_gemms,
     this_cpu_flags,
@@ -61,29 +63,48 @@ def _bf16_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Te
     return F.linear(x.bfloat16().double(), w.bfloat16().double(), b.double()).float()
 
 
+# the two bf16 forms: the native kernel's pair panels at every row count (this CPU's default), or oneDNN's packed
+# form (where the native kernels lack AVX-512 BF16)
+NATIVE_ROWS, ONEDNN_ROWS = CpuGemmRows(0, NEVER, NEVER), CpuGemmRows(0, 0, NEVER)
+
+
 @has_bf16_gemms
+@pytest.mark.parametrize("form", ["panels", "onednn"])
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
-def test_a_bf16_linear_is_the_product_of_bf16_inputs_in_float32(rows: int) -> None:
+def test_a_bf16_linear_is_the_product_of_bf16_inputs_in_float32(rows: int, form: str) -> None:
     w, b = torch.randn(96, 200) * 0.1, torch.randn(96)
-    layer = _bf16_linear(w, b)
+    layer = _bf16_linear(w, b, NATIVE_ROWS if form == "panels" else ONEDNN_ROWS)
     forms = layer.cpu_forms
-    assert forms is not None and forms.onednn is not None and forms.onednn.dtype == torch.bfloat16
-    assert forms.panels is None and forms.plain is None and forms.coded is None and layer.weight is None
-    assert layer.resident_bytes() < 96 * 200 * 4  # one bf16 copy (with oneDNN's padding), no float32 copy
+    assert forms is not None and forms.bf16 and getattr(forms, form).dtype == torch.bfloat16
+    other = "onednn" if form == "panels" else "panels"
+    assert getattr(forms, other) is None and forms.plain is None and forms.coded is None and layer.weight is None
+    assert layer.resident_bytes() < 96 * 200 * 4  # one bf16 copy (with its padding), no float32 copy
     x = torch.randn(rows, 200)
     got = layer(x)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, _bf16_product(x, w, b), rtol=2**-7, atol=1e-3)
     assert not torch.equal(got, F.linear(x, w, b))  # really bf16: float32 would give other bits
+    forms.bf16_out = True  # a consumer that reads bf16 gets the product rounded once, not widened
+    assert layer(x).dtype == torch.bfloat16
+
+
+@has_bf16_gemms
+def test_this_cpu_runs_the_native_bf16_kernel_at_every_row_count_past_the_codes() -> None:
+    rows = bf16_gemm_rows()
+    assert rows.onednn_m == NEVER and rows.large_m == NEVER and rows.coded_m == BF16_CODED_M
+    layer = _bf16_linear(torch.randn(40, 64), torch.randn(40), rows)  # no codes: the panels from 1 row
+    forms = layer.cpu_forms
+    assert forms is not None and forms.panels is not None and forms.onednn is None
+    assert layer.resident_bytes() == 2 * 32 * 32 * 2 * 2  # two 32-column panels of 32 k pairs, bf16
 
 
 @has_bf16_gemms
 @pytest.mark.parametrize("rows", [1, BF16_CODED_M - 1, BF16_CODED_M, 40])
 def test_a_gguf_weight_keeps_its_codes_below_bf16_coded_m_and_bf16_above(rows: int) -> None:
     w, b = ref_gguf_decoded(torch.randn(96, 64) * 0.1, "q4_1"), torch.randn(96)
-    layer = _bf16_linear(w, b, CpuGemmRows(BF16_CODED_M, BF16_CODED_M, NEVER))
+    layer = _bf16_linear(w, b, bf16_gemm_rows())
     forms = layer.cpu_forms
-    assert forms is not None and forms.coded is not None and forms.panels is None
+    assert forms is not None and forms.coded is not None and forms.panels is not None and forms.onednn is None
     x = torch.randn(rows, 64)
     if rows < BF16_CODED_M:  # the codes: exact float32, the panel kernel's bits
         assert torch.equal(layer(x), cpu_kernels.panel_linear(x, cpu_kernels.panel_pack(w), 96, b))
@@ -110,8 +131,8 @@ def test_a_bf16_runner_decodes_greedily_like_float32_on_a_tiny_model(tiny_dir: P
     assert bf16.decode_step is not None and bf16.kv_caches[0].dtype == torch.bfloat16  # "auto": the model's dtype
     linear = bf16.model.layers[0].self_attn.qkv_proj
     assert linear.method.name == "cpu-bfloat16"
-    # gate/up's bf16 product goes into the native SiLU-and-mul as is (MLP.hand_off_bf16): the same bits as the fp32
-    # round trip, since the down projection's input is rounded to bf16 either way
+    # gate/up's bf16 product goes into the native SiLU-and-mul as is (MLP.hand_off_bf16): the bits of its fp32
+    # product rounded to bf16 and then run through the SiLU-and-mul
     mlp = bf16.model.layers[0].mlp
     forms = mlp.gate_up_proj.cpu_forms
     assert forms is not None and forms.bf16_out
@@ -119,9 +140,11 @@ def test_a_bf16_runner_decodes_greedily_like_float32_on_a_tiny_model(tiny_dir: P
     assert mlp.gate_up_proj(x).dtype == torch.bfloat16
     handed_off = mlp(x)
     forms.bf16_out = False
-    assert mlp.gate_up_proj(x).dtype == torch.float32
+    product = mlp.gate_up_proj(x)
+    assert product.dtype == torch.float32
     # the down projection's bf16 product goes into the next norm as is (tests/test_bf16_norm_hand_off.py)
-    assert handed_off.dtype == torch.bfloat16 and torch.equal(handed_off, mlp(x))
+    assert handed_off.dtype == torch.bfloat16
+    assert torch.equal(handed_off, mlp.down_proj(mlp.ops.silu_and_mul(product.bfloat16())))
     forms.bf16_out = True
     assert greedy(bf16, prompts, steps=6) == greedy(_runner(tiny_dir, "float32", "cpu"), prompts, steps=6)
 

@@ -119,9 +119,9 @@ class MLP(nn.Module):
         return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
     def hand_off_bf16(self, on: bool) -> None:
-        """With bf16 CPU GEMMs and a SiLU-and-mul that reads and writes bf16: gate/up's bf16 product goes into it as
-        is and its bf16 output is the down projection's input, with no fp32 round trip between them (the same bits:
-        the down projection's input is rounded to bf16 either way). kernels/cpu/decode_step.cpp does the same."""
+        """With bf16 CPU GEMMs and a SiLU-and-mul that reads and writes bf16: gate/up's product goes into it as bf16
+        (rounded once, as oneDNN's bf16 GEMM returns it; half the bytes of fp32) and its bf16 output is the down
+        projection's input, which is rounded to bf16 either way. kernels/cpu/decode_step.cpp does the same."""
         forms = self.gate_up_proj.cpu_forms
         if forms is not None:
             forms.bf16_out = on
@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         CPU ops or the fused Triton kernels), the model runner's choice for its device and attention backend. (A
         decode-only step in one native call is a step function: model/native_decode.py.)"""
         forms = self.layers[0].mlp.gate_up_proj.cpu_forms
-        bf16 = forms is not None and forms.onednn is not None and forms.onednn.dtype == torch.bfloat16
+        bf16 = forms is not None and forms.bf16
         if bf16 and self.tp.size == 1:  # NOTE: not under TP, where the ranks' products are summed in fp32
             ops = ops.for_bf16_gemms(forms.rows.coded_m)
         for module in self.modules():

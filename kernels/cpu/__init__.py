@@ -27,6 +27,7 @@ _SOURCES = [
         "panel_linear.cpp",
         "coded_linear.cpp",
         "int8_ops.cpp",
+        "bf16_linear.cpp",
         "decode_step.cpp",
     )
 ]
@@ -185,6 +186,26 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tens
     """`x @ W.T + bias` for x `[M, K]` (rows may be strided) with W `[n, K]` packed by `panel_pack`."""
     out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
     torch.ops.pagoda_cpu.panel_linear(out, x, packed, bias)
+    return out
+
+
+def bf16_linear_native() -> bool:
+    """Whether `bf16_linear` runs here (a build with AVX-512 BF16; without it the op refuses)."""
+    return bool(torch.ops.pagoda_cpu.bf16_linear_native())
+
+
+def bf16_pack(weight: torch.Tensor) -> torch.Tensor:
+    """W `[N, K]` bf16 -> pair panels `[ceil(N/32), ceil(K/2), 32, 2]` (zero-padded) for `bf16_linear`; at load."""
+    return torch.ops.pagoda_cpu.bf16_pack(weight)
+
+
+def bf16_linear(
+    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """`x @ W.T + bias` for bf16 x `[M, K]` (rows may be strided) and W `[n, K]` packed by `bf16_pack`, fp32
+    accumulation, the product as `out_dtype` (float32 or bf16, rounded to nearest even)."""
+    out = torch.empty((x.shape[0], n), dtype=out_dtype, device=x.device)
+    torch.ops.pagoda_cpu.bf16_linear(out, x, packed, bias)
     return out
 
 

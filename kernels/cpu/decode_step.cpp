@@ -54,6 +54,14 @@ at::Tensor project(const Gemms& g, const at::Tensor& x, const Forms& w, const c1
     pagoda::coded_linear(out, x32, *w.coded, bias);
     return out;
   }
+  if (rows < g.onednn_m && w.panels.has_value() && w.panels->scalar_type() == at::kBFloat16) {
+    // bf16 pair panels (model/layers/cpu_bfloat16.py): the product in bf16 where `bf16_out`, else fp32
+    at::Tensor xb = x.to(at::kBFloat16);
+    if (xb.stride(1) != 1) xb = xb.contiguous();
+    at::Tensor out = at::empty({rows, w.out_features}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+    pagoda::bf16_linear(out, xb, *w.panels, bias);
+    return out;
+  }
   if (rows < g.onednn_m && w.panels.has_value()) {
     const at::Tensor x32 = x.to(at::kFloat);
     at::Tensor out = at::empty({rows, w.out_features}, x32.options());
@@ -119,11 +127,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
   auto forms = [&](int64_t p) {
     return Forms{out_features[p], plain_v[p], panels_v[p], coded_v[p], onednn_v[p], int8_v[p], int8_s[p]};
   };
-  // NOTE: with bf16 weights in oneDNN's GEMMs (from onednn_m rows, without codes below), the norms write the next
-  // GEMM's bf16 input and read o/down's bf16 products, and the rotary reads qkv's, in place of a cast on each side
-  // (fused_ops.cpp, rms_norm_to and rotary_embedding_to).
-  const bool bf16 = onednn_v[0].has_value() && onednn_v[0]->scalar_type() == at::kBFloat16 && B >= coded_m &&
-                    B >= onednn_m && B < large_m;
+  // NOTE: with bf16 weights (bf16 panels below onednn_m, oneDNN from there; codes below coded_m), the norms write
+  // the next GEMM's bf16 input and read o/down's bf16 products, and the rotary reads qkv's, in place of a cast on
+  // each side (fused_ops.cpp, rms_norm_to and rotary_embedding_to).
+  const bool bf16_panels = panels_v[0].has_value() && panels_v[0]->scalar_type() == at::kBFloat16;
+  const bool bf16 = B >= coded_m && B < large_m &&
+                    ((bf16_panels && B < onednn_m) ||
+                     (onednn_v[0].has_value() && onednn_v[0]->scalar_type() == at::kBFloat16 && B >= onednn_m));
   const auto norm_opts = bf16 ? opts.dtype(at::kBFloat16) : opts;
   at::Tensor residual;
   for (int64_t l = 0; l < L; ++l) {

@@ -25,6 +25,9 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
 // adjacent `panel_pack` panels [K][16] at `panels` (64-byte aligned); panel_linear's bits for those columns.
 void panel_gemm(const float* x, int64_t ldx, const float* panels, int64_t count, int64_t K, const float* bias,
                 float* out, int64_t N, int64_t n0, int64_t M);
+// out (float32 or bf16) = x @ W^T (+ bias) for bf16 x and W as `bf16_pack` pair panels, fp32 accumulation
+// (bf16_linear.cpp; AVX-512 BF16 builds only).
+void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
 void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records,
                   const c10::optional<at::Tensor>& bias);
 // out = x @ (codes * scale[:, None])^T (+ bias): int8 weights per output channel, weight-only below w8a8_m rows,

@@ -1,13 +1,16 @@
-"""CPU bfloat16 linears: the weight resident as bf16 packed for oneDNN, whose AVX-512 BF16 / AMX kernels multiply
-bf16 inputs with fp32 accumulation; the arithmetic between the GEMMs stays fp32 (norms, rotary, attention, softmax,
-sampling, the residual stream), the native ops beside the GEMMs reading and writing their bf16 inputs and products
-(layer_ops.NativeCpuBf16Ops; a product whose consumer reads bf16 is returned as is: `CpuWeightForms.bf16_out`).
+"""CPU bfloat16 linears: the weight resident once as bf16, packed for the native AVX-512 BF16 kernel
+(kernels/cpu/bf16_linear.cpp, `bf16_pack` pair panels) or, where the native kernels did not build, for oneDNN; both
+multiply bf16 inputs with fp32 accumulation. The arithmetic between the GEMMs stays fp32 (norms, rotary, attention,
+softmax, sampling, the residual stream), the native ops beside the GEMMs reading and writing their bf16 inputs and
+products (layer_ops.NativeCpuBf16Ops; a product whose consumer reads bf16 is returned as is: `bf16_out`).
 
-NOTE: why bf16 only inside the GEMMs: they are ~90 % of a float32 step's time and oneDNN's bf16 GEMM runs at twice
-the fp32 rate from 16 rows up (docs/benchmarks.md, "bfloat16 on CPU"), while rounding the residual or a norm's sums
-would compound over the layers.
+NOTE: why bf16 only inside the GEMMs: they are ~90 % of a float32 step's time and a bf16 GEMM runs at twice the fp32
+rate from 16 rows up (docs/benchmarks.md, "bfloat16 on CPU"), while rounding the residual or a norm's sums would
+compound over the layers. Why the native kernel, not oneDNN: it is as fast or faster at every row count from 8 to
+2,048 (at decode's 32-128 rows oneDNN splits the work badly over 2 threads), measured in docs/decisions.md; one
+packed form serves every row count, so the weight is resident once either way.
 A weight that is exactly GGUF blocks decoded keeps its codes for rows below `BF16_CODED_M` (fewer bytes per token at
-batch 1, and exact); every other row count, and every weight without codes, runs oneDNN bf16.
+batch 1, and exact); every other row count, and every weight without codes, runs the bf16 GEMM.
 """
 
 from __future__ import annotations
@@ -64,15 +67,18 @@ def cpu_bf16_gemms(cpu_flags: Iterable[str] | None = None) -> bool:
 
 
 def bf16_gemm_rows() -> CpuGemmRows:
-    """The bf16 dispatch: codes below BF16_CODED_M (with the vectorized coded kernel), oneDNN bf16 above; no MKL."""
-    coded = cpu_kernels.available() and cpu_kernels.coded_linear_vectorized()
-    return CpuGemmRows(BF16_CODED_M if coded else 0, BF16_CODED_M if coded else 0, NEVER)
+    """The bf16 dispatch: codes below BF16_CODED_M (with the vectorized coded kernel), above them the native bf16
+    kernel at every row count (its pair panels are `CpuWeightForms.panels`: `onednn_m` NEVER), or oneDNN bf16 where
+    the native kernels lack it; no MKL."""
+    native = cpu_kernels.available()
+    coded_m = BF16_CODED_M if native and cpu_kernels.coded_linear_vectorized() else 0
+    return CpuGemmRows(coded_m, NEVER if native and cpu_kernels.bf16_linear_native() else coded_m, NEVER)
 
 
 class CpuBfloat16Method(CpuFloat32Method):
-    """Keeps the weight's GGUF codes where `rows.coded_m` reads them, and one bf16 oneDNN copy for every other row
-    count (no float32 panels or plain copy); `cpu_gemm` casts an fp32 x to bf16 for it and the product back to fp32
-    unless its consumer reads bf16."""
+    """Keeps the weight's GGUF codes where `rows.coded_m` reads them, and one bf16 copy for every other row count:
+    `bf16_pack` panels below `rows.onednn_m`, else oneDNN's packed form (no float32 panels or plain copy);
+    `cpu_gemm` rounds an fp32 x to bf16 for it and returns the product in fp32 unless its consumer reads bf16."""
 
     name = "cpu-bfloat16"
 
@@ -83,12 +89,14 @@ class CpuBfloat16Method(CpuFloat32Method):
         assert layer.weight is not None, "the weights were processed already"
         weight = layer.weight.detach().float().contiguous()
         codes = cpu_kernels.coded_pack(weight) if self.rows.coded_m > 0 else None
+        bf16 = weight.to(torch.bfloat16)
+        native = self.rows.onednn_m > (1 if codes is None else self.rows.coded_m)  # some row count reads the panels
         layer.cpu_forms = CpuWeightForms(
             out_features=weight.shape[0],
             rows=self.rows,
             coded=codes,
-            panels=None,
-            onednn=torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), None),
+            panels=cpu_kernels.bf16_pack(bf16) if native else None,
+            onednn=None if self.rows.onednn_m >= NEVER else torch.ops.mkldnn._reorder_linear_weight(bf16, None),
             plain=None,
         )
         layer.weight = None

@@ -23,7 +23,9 @@ class CpuWeightForms:
     out_features: int
     rows: CpuGemmRows
     coded: torch.Tensor | None  # `coded_pack` records: rows below rows.coded_m
-    panels: torch.Tensor | None  # `panel_pack` panels: rows below rows.onednn_m without codes
+    # `panel_pack` panels (float32), or `bf16_pack` pair panels (bf16 weights: cpu_bfloat16.py): rows below
+    # rows.onednn_m without codes
+    panels: torch.Tensor | None
     onednn: torch.Tensor | None  # oneDNN packed: rows from rows.onednn_m
     plain: torch.Tensor | None  # float32 [out, in] for MKL: rows from rows.large_m
     # NOTE: set by the model where the consumer reads bf16 (gate/up into the native SiLU-and-mul, qkv into the rotary,
@@ -31,6 +33,11 @@ class CpuWeightForms:
     # not widened to fp32 in a pass of its own.
     bf16_out: bool = False
     int8: Int8Weight | None = None  # int8 codes per channel (cpu_int8.py): every row count, no other form
+
+    @property
+    def bf16(self) -> bool:
+        """Whether the GEMMs past the codes read bf16 (bf16 x in, fp32 accumulation)."""
+        return any(t is not None and t.dtype == torch.bfloat16 for t in (self.panels, self.onednn))
 
     def nbytes(self) -> int:
         forms = (self.coded, self.panels, self.onednn, self.plain)
@@ -68,6 +75,9 @@ def cpu_gemm(forms: CpuWeightForms, x: torch.Tensor, bias: torch.Tensor | None) 
     if m < rows.coded_m and forms.coded is not None:
         return cpu_kernels.coded_linear(_float_rows(x), forms.coded, forms.out_features, bias)
     if m < rows.onednn_m and forms.panels is not None:
+        if forms.panels.dtype == torch.bfloat16:  # bf16 pair panels: the product in the dtype its consumer reads
+            out = torch.bfloat16 if forms.bf16_out else torch.float32
+            return cpu_kernels.bf16_linear(_bf16_rows(x), forms.panels, forms.out_features, bias, out)
         return cpu_kernels.panel_linear(_float_rows(x), forms.panels, forms.out_features, bias)
     if m >= rows.large_m:
         assert forms.plain is not None
@@ -82,4 +92,11 @@ def cpu_gemm(forms: CpuWeightForms, x: torch.Tensor, bias: torch.Tensor | None) 
 def _float_rows(x: torch.Tensor) -> torch.Tensor:
     """x as the float32 kernels read it: float32 (a bf16 SiLU-and-mul output widened) with contiguous rows."""
     x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _bf16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the bf16 kernel reads it: bf16 (an fp32 x rounded, as oneDNN's bf16 path rounds it) with contiguous
+    rows."""
+    x = x.to(torch.bfloat16)
     return x if x.stride(-1) == 1 else x.contiguous()
