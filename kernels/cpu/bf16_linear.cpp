@@ -27,6 +27,7 @@ namespace {
 
 constexpr int64_t kCols = 32;  // output columns per panel
 constexpr int64_t kMr = 12;    // most rows per micro-kernel call (2 zmm accumulators per row, of 32 registers)
+constexpr int64_t kChunkBlocks = 16;  // row blocks (~192 rows, ~220 KB of x at K = 576) per pass over the panels
 
 #if defined(__AVX512BF16__)
 // 32-bit broadcast of x's pair (k, k+1) of row r; the odd-K tail pairs x[K-1] with 0 (the padded weight is 0 too).
@@ -192,18 +193,24 @@ void bf16_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, 
   // Row blocks as even as possible (64 rows: 4 x 11 + 2 x 10): a short block pays the panel's loads for few FMAs.
   const int64_t blocks = (M + kMr - 1) / kMr, base = M / blocks, extra = M % blocks;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kCols, cols = std::min(kCols, N - n0);
-      const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-      const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-      const uint16_t* panel = wp + p * K2 * kCols * 2;
-      const float* bp = b != nullptr ? b + n0 : nullptr;
-      int64_t r = 0;
-      for (int64_t i = 0; i < blocks; ++i) {
-        const int64_t mr = base + (i < extra ? 1 : 0);
-        kMicro[mr](xp + r * ldx, ldx, panel, K, bp, op + (r * N + n0) * esize, N, lo, hi, bf16_out);
-        r += mr;
+    // NOTE: the row blocks in chunks of kChunkBlocks (x's chunk stays in L2 while this thread's panels pass by):
+    // a panel at a time over all of a prefill chunk's rows re-read x from L3 for every panel.
+    for (int64_t i0 = 0, r0 = 0; i0 < blocks; i0 += kChunkBlocks) {
+      const int64_t i1 = std::min(blocks, i0 + kChunkBlocks);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * kCols, cols = std::min(kCols, N - n0);
+        const __mmask16 lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
+        const __mmask16 hi = cols >= 32 ? 0xFFFF : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+        const uint16_t* panel = wp + p * K2 * kCols * 2;
+        const float* bp = b != nullptr ? b + n0 : nullptr;
+        int64_t r = r0;
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t mr = base + (i < extra ? 1 : 0);
+          kMicro[mr](xp + r * ldx, ldx, panel, K, bp, op + (r * N + n0) * esize, N, lo, hi, bf16_out);
+          r += mr;
+        }
       }
+      for (int64_t i = i0; i < i1; ++i) r0 += base + (i < extra ? 1 : 0);
     }
   });
 #else
