@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
+#include <omp.h>
 #include <vector>
 
 // NOTE: glibc declares the vector variants of expf (libmvec) only under -ffast-math, which would also let the
@@ -231,6 +233,19 @@ inline float max_of(const float* x, int64_t n) {
   return m;
 }
 
+// exp(x - max) in place over x[0, L) (vectorised exp through libmvec); returns 1 / their sum. NOTE: not inlined, so
+// that both work splits below run the same instructions (the same lanes summed in the same order).
+__attribute__((noinline)) float softmax_row(float* x, int64_t L) {
+  const float m = max_of(x, L);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t l = 0; l < L; ++l) {
+    x[l] = expf(x[l] - m);
+    sum += x[l];
+  }
+  return 1.0f / sum;
+}
+
 template <typename T>
 struct DecodeArgs {
   const float* qp;
@@ -285,18 +300,7 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, Scratch& 
     for (int64_t j = 0; j < heads; ++j)
       score_rows(qg + j * D, rows + (j / G) * D, n, row, D, a.fscale, s.scores.data() + j * stride + l0);
   });
-  // Softmax per query head (vectorised exp through libmvec).
-  for (int64_t j = 0; j < heads; ++j) {
-    float* sj = s.scores.data() + j * stride;
-    const float m = max_of(sj, L);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t l = 0; l < L; ++l) {
-      sj[l] = expf(sj[l] - m);
-      sum += sj[l];
-    }
-    s.inv_sum[j] = 1.0f / sum;
-  }
+  for (int64_t j = 0; j < heads; ++j) s.inv_sum[j] = softmax_row(s.scores.data() + j * stride, L);
   // Pass 2: out_j = sum_l p[j][l] * v_l, each KV head's V rows shared by its G query heads.
   walk(a.vp, [&](int64_t l0, int64_t n, const T* rows) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
@@ -314,6 +318,89 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, Scratch& 
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
   }
 }
+
+#if defined(__AVX512F__)
+// o[g][16 c0, 16 c1) += sum_t p[g][t] * v_t[16 c0, 16 c1) for the G query heads of one KV head: accumulate_rows over
+// a slice of head_dim (o and v point at the slice), the same FMA per element in the same order over t.
+template <typename T>
+inline void accumulate_slice(const float* const* p, int64_t G, const T* v, int64_t n, int64_t row, int64_t vectors,
+                             float* const* o, std::vector<float*>& shifted) {
+  switch (vectors) {
+    case 1: return accumulate_heads<1, 4>(p, G, v, n, row, o);
+    case 2: return accumulate_heads<2, 4>(p, G, v, n, row, o);
+    case 4: return accumulate_heads<4, 4>(p, G, v, n, row, o);
+    default:
+      for (int64_t c = 0; c < vectors; ++c) {
+        for (int64_t g = 0; g < G; ++g) shifted[g] = o[g] + 16 * c;
+        accumulate_heads<1, 4>(p, G, v + 16 * c, n, row, shifted.data());
+      }
+  }
+}
+
+// One sequence's attention on every thread (batch 1): split by KV head, 3 KV heads gave one core two strided walks
+// and the other one. Here the threads share the whole-row walks, with the same arithmetic for each output as
+// `attend` (so the bits do not depend on the thread count): the K walk split by token ranges that start where the
+// walk's chunks do (each score is its own dot product), the softmax by query head, the V walk by slices of
+// head_dim (each output element's sum keeps its order over the tokens). False: not for this shape (attend it).
+template <typename T>
+bool attend_lone(const DecodeArgs<T>& a, int64_t b, int64_t nthreads) {
+  const int64_t D = a.D, G = a.G, BS = a.BS, row = a.row, H = a.H, HKV = row / D, L = a.lens[b];
+  if ((D != 64 && D != 128) || nthreads < 2 || L <= 0) return false;
+  const int64_t num_blocks = (L + BS - 1) / BS;
+  TORCH_CHECK(num_blocks <= a.max_blocks, "paged_decode_attention: seq_len exceeds the block table");
+  const int32_t* table = a.tables + b * a.max_blocks;
+  // NOTE: checked here: an exception must not leave the OpenMP region below
+  for (int64_t i = 0; i < num_blocks; ++i) {
+    TORCH_CHECK(table[i] >= 0 && table[i] < a.num_blocks, "paged_decode_attention: block id out of range");
+  }
+  const int64_t stride = (L + kChunk - 1) / kChunk * kChunk, span = std::lcm(BS, kChunk);
+  const int64_t spans = (L + span - 1) / span, vectors = D / 16;
+  std::vector<float> scores(H * stride), inv_sum(H);
+  const float* qg = a.qp + b * a.q_row;
+  float* og = a.op + b * H * D;
+  // chunks of up to kChunk rows that never cross a block, over rows [l_begin, l_end), as attend's walk
+  auto walk = [&](const T* base, int64_t l_begin, int64_t l_end, auto&& visit) {
+    for (int64_t l0 = l_begin; l0 < l_end;) {
+      const int64_t n = std::min({kChunk, l_end - l0, BS - l0 % BS});
+      visit(l0, n, base + (table[l0 / BS] * BS + l0 % BS) * row);
+      l0 += n;
+    }
+  };
+#pragma omp parallel num_threads(nthreads)
+  {
+    const int64_t w = omp_get_thread_num(), nw = omp_get_num_threads();
+    walk(a.kp, std::min(L, w * spans / nw * span), std::min(L, (w + 1) * spans / nw * span),
+         [&](int64_t l0, int64_t n, const T* rows) {
+           touch_rows(rows, n, row, row);
+           for (int64_t j = 0; j < H; ++j)
+             score_rows(qg + j * D, rows + (j / G) * D, n, row, D, a.fscale, scores.data() + j * stride + l0);
+         });
+#pragma omp barrier
+    for (int64_t j = w; j < H; j += nw) inv_sum[j] = softmax_row(scores.data() + j * stride, L);
+#pragma omp barrier
+    const int64_t c0 = w * vectors / nw, c1 = (w + 1) * vectors / nw;
+    if (c1 > c0) {
+      std::vector<const float*> p(G);
+      std::vector<float*> o(G), shifted(G);
+      for (int64_t j = 0; j < H; ++j) std::fill(og + j * D + 16 * c0, og + j * D + 16 * c1, 0.0f);
+      walk(a.vp, 0, L, [&](int64_t l0, int64_t n, const T* rows) {
+        for (int64_t h = 0; h < HKV; ++h) {
+          for (int64_t g = 0; g < G; ++g) {
+            p[g] = scores.data() + (h * G + g) * stride + l0;
+            o[g] = og + (h * G + g) * D + 16 * c0;
+          }
+          accumulate_slice(p.data(), G, rows + h * D + 16 * c0, n, row, c1 - c0, o.data(), shifted);
+        }
+      });
+      for (int64_t j = 0; j < H; ++j) {
+        float* oj = og + j * D;
+        for (int64_t d = 16 * c0; d < 16 * c1; ++d) oj[d] *= inv_sum[j];
+      }
+    }
+  }
+  return true;
+}
+#endif
 
 // kv_cache[0|1] rows <- k|v for tokens [t0, t1), each at its slot; slots < 0 (padding) are skipped.
 template <typename T>
@@ -336,8 +423,14 @@ void decode_all(const DecodeArgs<T>& args, int64_t B, int64_t HKV) {
   // in static halves: decode rows arrive sorted longest-first, so halves would give one core most of the context
   // (measured: 64 rows of 100-700 tokens, 4.2 -> 3.6 ms). Either way each head's arithmetic is the same, so the
   // output does not depend on the thread count.
+  // NOTE: one thread always takes whole sequences: split by KV head, a lone sequence's walk reads each head's slice
+  // of the rows (strided, untouched); whole rows are contiguous and touched first. Measured at batch 1 (SmolLM2,
+  // ~190 tokens of context, 1 thread, thread CPU time): the 30 layers' attention 1.21-1.51 -> 0.87 ms per token.
   const int64_t nthreads = at::get_num_threads();
-  const int64_t heads_per_unit = B >= 2 * nthreads ? HKV : 1;
+#if defined(__AVX512F__)
+  if (B == 1 && !at::in_parallel_region() && attend_lone(args, 0, nthreads)) return;
+#endif
+  const int64_t heads_per_unit = B >= 2 * nthreads || nthreads == 1 ? HKV : 1;
   const int64_t num_units = B * HKV / heads_per_unit;
   const int64_t workers = std::min(nthreads, num_units);
   at::parallel_for(0, workers, 1, [&](int64_t w0, int64_t w1) {

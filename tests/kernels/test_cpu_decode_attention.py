@@ -71,6 +71,19 @@ def test_the_same_bits_for_any_thread_count() -> None:
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
+def test_a_lone_sequence_the_same_bits_on_one_thread_as_split_by_kv_head() -> None:
+    # 1 thread: the sequence is one work item over whole K/V rows; 2 and 3 threads: one KV head per work item.
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            results.append(_run([190], 16, 3, 3, 64, seed=7)[0])
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+
+
 def test_strided_q_and_out() -> None:
     got, (q, cache, tables, lens) = _run([40, 0, 70], 16, 3, 3, 64, strided_q=True)
     out = torch.full(q.shape, 7.0)
