@@ -23,6 +23,7 @@ Memory does not depend on the machine's load (time does): the breakdown is compa
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import re
@@ -48,6 +49,7 @@ class Breakdown:
     heap_mb: float = 0.0
     anon_mb: float = 0.0
     other_mb: float = 0.0
+    heap_free_mb: float = 0.0  # free bytes inside malloc's arenas (mallinfo2's fordblks): resident unless trimmed
 
 
 @dataclass
@@ -72,8 +74,24 @@ def vm_hwm_mb() -> float:
     return 0.0
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ]
+
+
+def heap_free_bytes() -> int:
+    """Free bytes in glibc's arenas (0 where mallinfo2, glibc >= 2.33, is missing)."""
+    fn = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if fn is None:
+        return 0
+    fn.restype = _MallInfo2
+    return int(fn().fordblks)
+
+
 def breakdown(label: str, kv_range: tuple[int, int] | None) -> Breakdown:
-    out = Breakdown(label, rss_mb=0.0)
+    out = Breakdown(label, rss_mb=0.0, heap_free_mb=heap_free_bytes() / MB)
     start = end = 0
     name = ""
     with open("/proc/self/smaps") as f:
@@ -180,6 +198,7 @@ def main() -> None:
     ap.add_argument("--worker-allocator", action="store_true", help="malloc as a worker sets it (retain_freed_memory)")
     ap.add_argument("--keep-load-heap", action="store_true", help="A/B: skip release_free_heap after the load")
     ap.add_argument("--no-heap-release", action="store_true", help="A/B: no HeapRelease after the large steps")
+    ap.add_argument("--heap-release-tokens", type=int, default=None, help="A/B: HeapRelease's large_tokens")
     args = ap.parse_args()
 
     if args.worker_allocator:
@@ -198,6 +217,8 @@ def main() -> None:
     runner = llm.engine.runner
     if args.no_heap_release:
         runner.heap_release = None
+    elif args.heap_release_tokens is not None and runner.heap_release is not None:
+        runner.heap_release.large_tokens = args.heap_release_tokens
     whole = runner.kv._whole
     kv_range = None
     if whole is not None:

@@ -154,3 +154,37 @@ def test_heap_release_follows_the_phases_of_steps_not_each_step() -> None:
     for tokens in [256] * 20:  # and then are the phase: no release while they go on
         heap.after_step(tokens)
     assert heap.releases == 2
+
+
+# Decode-sized steps that never make a large one (so `after_step` never releases) leave 72 MiB freed inside the heap
+# (a kept tensor allocated after them); `after_idle`, as `LLM.generate` calls it when a call ends, gives it back.
+IDLE_PROBE = """
+import json, torch
+from engine_core.worker.host_allocator import HeapRelease
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+torch.empty(24 << 18, dtype=torch.float32).fill_(1.0)  # raises glibc's dynamic mmap threshold, freed at once
+heap = HeapRelease(large_tokens=2048, settle_steps=3)
+heap.after_idle()  # no step yet: nothing to give back
+before = rss()
+xs = []
+for _ in range(6):
+    xs.append(torch.empty(12 << 18, dtype=torch.float32).fill_(1.0))
+    heap.after_step(64)
+kept = torch.ones(1 << 14)
+del xs
+freed = rss()
+heap.after_idle()
+idle = rss()
+heap.after_idle()  # idle again, no step since: no second release
+print(json.dumps([before, freed, idle, heap.releases]))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc only")
+def test_heap_release_after_idle_gives_back_what_the_steps_since_the_last_release_freed() -> None:
+    out = subprocess.run([sys.executable, "-c", IDLE_PROBE], capture_output=True, text=True, timeout=120, check=True)
+    before, freed, idle, releases = json.loads(out.stdout.splitlines()[-1])
+    assert freed - before > 60 * MIB  # the control: glibc kept the steps' freed room
+    assert idle - before < 8 * MIB
+    assert releases == 1

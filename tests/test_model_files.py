@@ -1,5 +1,5 @@
-"""Config loading: the fast path (config.json in transformers' base class) reads what AutoConfig would, and keeps
-transformers' heavy model-config imports off the start-up path (the tokenizer: tests/test_tokenizer.py)."""
+"""Config loading: the fast path (a plain Llama's config.json in the engine's own `LlamaConfigFile`) reads what
+AutoConfig would, and keeps transformers off the start-up path (the tokenizer: tests/test_tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoConfig, LlamaConfig, MistralConfig
 
+from engine_core.checkpoint.model_config import LlamaConfigFile
 from engine_core.model.loader import load_config
 from tests.conftest import CACHE_DIR
 
@@ -36,7 +37,7 @@ ENGINE_READS = (
 
 def test_smollm2_config_fast_path_reads_what_autoconfig_reads(smollm2_dir: str) -> None:
     fast, full = load_config(smollm2_dir), AutoConfig.from_pretrained(smollm2_dir)
-    assert not isinstance(fast, LlamaConfig)  # the fast path was taken
+    assert isinstance(fast, LlamaConfigFile)  # the fast path was taken
     for key in ENGINE_READS:
         assert getattr(fast, key) == getattr(full, key), key
     assert getattr(fast, "sliding_window", None) == getattr(full, "sliding_window", None)
@@ -81,14 +82,39 @@ def test_other_model_types_go_through_autoconfig(tmp_path: Path) -> None:
     assert isinstance(config, MistralConfig) and config.sliding_window == 4096
 
 
-def test_loading_the_default_model_leaves_transformers_model_configs_unimported(smollm2_dir: str) -> None:
-    """What `pagoda serve`'s worker and frontend load at start-up imports none of the model-config chain."""
+@pytest.mark.parametrize(
+    ("raw", "rope_theta"),
+    [
+        pytest.param(_llama(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}), 500000.0, id="v5"),
+        pytest.param(_llama(rope_parameters=None, rope_theta=250000.0), 250000.0, id="v4-rope-theta"),
+        pytest.param(_llama(rope_parameters=None), 10000.0, id="no-theta"),
+    ],
+)
+def test_plain_llama_configs_read_their_rope_theta_as_autoconfig_does(
+    tmp_path: Path, raw: dict[str, object], rope_theta: float
+) -> None:
+    fast, full = load_config(_write(tmp_path, raw)), AutoConfig.from_pretrained(str(tmp_path))
+    assert isinstance(fast, LlamaConfigFile)
+    assert fast.rope_parameters == full.rope_parameters == {"rope_type": "default", "rope_theta": rope_theta}
+    for key in ENGINE_READS:
+        assert getattr(fast, key) == getattr(full, key), key
+
+
+@pytest.mark.parametrize("key", ["num_hidden_layers", "rms_norm_eps", "head_dim"])
+def test_a_wrongly_typed_llama_field_is_refused_naming_it(tmp_path: Path, key: str) -> None:
+    with pytest.raises(ValueError, match=f"config.json: {key} = 'many'"):
+        load_config(_write(tmp_path, _llama(**{key: "many"})))
+
+
+def test_loading_the_default_model_leaves_transformers_unimported(smollm2_dir: str) -> None:
+    """What `pagoda serve`'s worker and frontend and the offline `LLM` load at start-up imports no transformers (its
+    config classes alone are ~17-20 MB of RSS; its model configs pull in torch._dynamo)."""
     code = (
         "import sys\n"
         "from engine_core.model.loader import load_config\n"
         "from engine_core.io.tokenizer import load_tokenizer\n"
         f"load_config({smollm2_dir!r}); load_tokenizer({smollm2_dir!r}, {CACHE_DIR!r})\n"
-        "heavy = [m for m in ('transformers.integrations.hub_kernels', 'torch._dynamo') if m in sys.modules]\n"
+        "heavy = [m for m in ('transformers', 'torch._dynamo') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

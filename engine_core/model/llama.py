@@ -7,12 +7,10 @@ reads and writes K/V in the paged cache. Q/K/V and gate/up projections are fused
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_core.attention.backend import AttentionBackend, AttentionMetadata
 from engine_core.distributed.parallel_state import SINGLE, TensorParallel, check_heads, kv_heads_per_rank
@@ -22,6 +20,9 @@ from engine_core.model.layers.layer_ops import TORCH_OPS, LayerOps
 from engine_core.model.layers.linear import Linear
 from engine_core.model.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel
 from engine_core.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+
+if TYPE_CHECKING:
+    from engine_core.checkpoint.model_config import ModelConfig
 
 
 class Embedding(nn.Embedding):
@@ -51,7 +52,7 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for every position, built once with transformers' own rope-parameter functions."""
 
-    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
         params = getattr(config, "rope_parameters", None) or {}
         rope_type = params.get("rope_type", "default")
@@ -60,6 +61,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
             scaling = 1.0
         else:
+            # NOTE: imported here: only a scaled RoPE needs transformers (its config came through AutoConfig).
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -75,7 +79,7 @@ class Attention(nn.Module):
     """This rank's heads (all of them without tensor parallelism: model/layers/parallel_linear.py)."""
 
     def __init__(
-        self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool, tp: TensorParallel = SINGLE
+        self, config: ModelConfig, backend: AttentionBackend, qkv_bias: bool, tp: TensorParallel = SINGLE
     ) -> None:
         super().__init__()
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -104,7 +108,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, tp: TensorParallel = SINGLE) -> None:
+    def __init__(self, config: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
@@ -129,7 +133,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, backend: AttentionBackend, qkv_bias: bool, tp: TensorParallel = SINGLE
+        self, config: ModelConfig, backend: AttentionBackend, qkv_bias: bool, tp: TensorParallel = SINGLE
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -144,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias = False
 
     def __init__(
-        self, config: PretrainedConfig, backend: AttentionBackend, max_positions: int, tp: TensorParallel = SINGLE
+        self, config: ModelConfig, backend: AttentionBackend, max_positions: int, tp: TensorParallel = SINGLE
     ) -> None:
         """`tp`: the shard this process holds (rank of size); the default is the whole model."""
         super().__init__()

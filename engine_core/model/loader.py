@@ -6,43 +6,34 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
 
-from engine_core.checkpoint.model_config import read_config_file, read_config_json
+from engine_core.checkpoint.model_config import is_plain_llama, read_config_json, read_llama_config
 from engine_core.checkpoint.model_dir import gguf_file, weight_files
 from engine_core.model.layers.block_codes import BlockCodes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# A Llama config.json that sets these needs none of LlamaConfig's defaults for what the engine reads.
-_LLAMA_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "tie_word_embeddings",
-)
+if TYPE_CHECKING:
+    from engine_core.checkpoint.model_config import ModelConfig
 
 
-def load_config(model_dir: str) -> PretrainedConfig:
-    """The model's config. A complete Llama config with plain RoPE is read as written (`read_config_file`, no
-    2.3 s import of transformers' config classes); anything else goes through `AutoConfig`, whose model classes
-    fill in defaults (Mistral's sliding window, missing KV heads) and standardise RoPE scaling."""
-    # NOTE: presence is checked in the file, not on the config object: the base class has defaults of its own
-    # (tie_word_embeddings=True) that differ from Llama's.
+def load_config(model_dir: str) -> ModelConfig:
+    """The model's config. A complete Llama config with plain RoPE is read by the engine (`read_llama_config`: no
+    import of transformers, 2.3 s for its model config classes and ~17-20 MB for even its base class); anything else
+    goes through `AutoConfig`, whose model classes fill in defaults (Mistral's sliding window, missing KV heads) and
+    standardise RoPE scaling."""
+    # NOTE: presence is checked in the file, not on a config object: transformers' base class has defaults of its
+    # own (tie_word_embeddings=True) that differ from Llama's.
     raw = read_config_json(model_dir)
-    rope = raw.get("rope_parameters") or {}
-    plain_rope = rope.get("rope_type", "default") == "default" and not raw.get("rope_scaling")
-    if raw.get("model_type") == "llama" and plain_rope and all(k in raw for k in _LLAMA_KEYS):
-        return read_config_file(model_dir, raw)
+    if is_plain_llama(raw):
+        return read_llama_config(raw)
+    from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(model_dir)
 
 
@@ -74,7 +65,7 @@ def prefetch_weights(model_dir: str) -> None:
 
 
 def iter_weights(
-    model_dir: str, config: PretrainedConfig, with_codes: bool = False, legacy_codes: bool = False
+    model_dir: str, config: ModelConfig, with_codes: bool = False, legacy_codes: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | BlockCodes]]:
     """Yields (HF name, tensor) from the directory's GGUF file or from every safetensors file of it; with
     `with_codes`, a GGUF K-quant matrix as its codes, with `legacy_codes` too a Q8_0 ... Q5_1 one
@@ -100,6 +91,6 @@ def iter_weights(
                 yield name, f.get_tensor(name)
 
 
-def architecture(config: PretrainedConfig) -> str:
+def architecture(config: ModelConfig) -> str:
     archs = getattr(config, "architectures", None) or []
     return archs[0] if archs else f"{config.model_type}ForCausalLM"

@@ -116,15 +116,32 @@ class HeapRelease:
         self.settle_steps = settle_steps
         self._largest = 0  # the largest step since the last release, tokens
         self._small_steps = 0  # consecutive small steps since
+        self._stepped = False  # a step ran since the last release (what `after_idle` gives back)
         self.releases = 0
 
     def after_step(self, num_tokens: int) -> None:
+        self._stepped = True
         if num_tokens * 4 > self._largest:
             self._largest = max(self._largest, num_tokens)
             self._small_steps = 0
             return
         self._small_steps += 1
         if self._small_steps >= self.settle_steps and self._largest >= self.large_tokens:
-            self._largest = self._small_steps = 0
-            release_free_heap()
-            self.releases += 1
+            self._release()
+
+    def after_idle(self) -> None:
+        """The engine has nothing left to run (offline: a `generate` call has finished): gives back what the steps
+        since the last release left free.
+
+        NOTE: why: the decode steps after the last release free their temporaries into the heap too (the random
+        workload's heap grew ~15-30 MB above its level after the release), and offline the next call's fresh KV
+        blocks (the harness's batch-1 calls) add to a peak that still held them. One trim per call that ran a step:
+        a fraction of a millisecond when little is free (docs/benchmarks.md, "Peak RSS of the offline benchmark")."""
+        if self._stepped:
+            self._release()
+
+    def _release(self) -> None:
+        self._largest = self._small_steps = 0
+        self._stepped = False
+        release_free_heap()
+        self.releases += 1
