@@ -6,9 +6,10 @@ products (layer_ops.NativeCpuBf16Ops; a product whose consumer reads bf16 is ret
 
 NOTE: why bf16 only inside the GEMMs: they are ~90 % of a float32 step's time and a bf16 GEMM runs at twice the fp32
 rate from 16 rows up (docs/benchmarks.md, "bfloat16 on CPU"), while rounding the residual or a norm's sums would
-compound over the layers. Why the native kernel, not oneDNN: it is as fast or faster at every row count from 8 to
-2,048 (at decode's 32-128 rows oneDNN splits the work badly over 2 threads), measured in docs/decisions.md; one
-packed form serves every row count, so the weight is resident once either way.
+compound over the layers. Why the native kernel, not oneDNN: oneDNN's bf16 GEMM ran decode's 32-128-row steps at
+~63 % of its prefill rate; the native kernel is ahead at most (shape, rows) pairs from 8 to 2,048 and runs the bf16
+workload 1.07-1.17x faster end to end (docs/decisions.md). One packed form serves every row count, so the weight is
+resident once either way.
 A weight that is exactly GGUF blocks decoded keeps its codes for rows below `BF16_CODED_M` (fewer bytes per token at
 batch 1, and exact); every other row count, and every weight without codes, runs the bf16 GEMM.
 """
