@@ -145,29 +145,22 @@ def write_gguf_model(src: Path, dst: Path) -> dict[str, str]:
     files copied, the weights in `model.gguf` as llama.cpp lays them out (gguf-py's names, permuted Q/K rows), each
     matrix quantized by gguf-py in GGUF_KINDS by turns. Returns each quantized matrix's format."""
     import numpy as np
-    from gguf import MODEL_ARCH, GGMLQuantizationType, GGUFWriter, get_tensor_name_map, quantize
+    from gguf import MODEL_ARCH, GGMLQuantizationType, get_tensor_name_map, quantize
     from safetensors.torch import load_file
 
     from engine_core.checkpoint.model_config import read_config_json
     from engine_core.checkpoint.model_dir import GGUF_LINK
     from engine_core.model.loader import load_config
+    from tests.gguf_writer import finish, gguf_writer, llama_qk_heads, permute_qk
 
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.suffix != ".safetensors" and f.is_file() and not f.name.endswith(".index.json"):
             shutil.copy(f, dst / f.name)
     cfg = load_config(str(src))
-    writer = GGUFWriter(str(dst / GGUF_LINK), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     raw = read_config_json(str(src))  # NOTE: the file's own rope_theta (newer configs nest it in rope_parameters)
-    writer.add_rope_freq_base(float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta")))
-    writer.add_vocab_size(cfg.vocab_size)
+    theta = float(raw.get("rope_theta") or (raw.get("rope_parameters") or {}).get("rope_theta"))
+    writer = gguf_writer(dst / GGUF_LINK, "llama", cfg, theta)
     names = get_tensor_name_map(MODEL_ARCH.LLAMA, cfg.num_hidden_layers)
     state: dict[str, torch.Tensor] = {}
     for f in sorted(src.glob("*.safetensors")):
@@ -180,9 +173,9 @@ def write_gguf_model(src: Path, dst: Path) -> dict[str, str]:
         base, suffix = hf.rsplit(".", 1)
         name = f"{names.get_name(base)}.{suffix}"
         w = tensor.float().numpy()
-        for part, heads in ((".attn_q.", cfg.num_attention_heads), (".attn_k.", cfg.num_key_value_heads)):
-            if part in name:  # llama.cpp's convert_hf_to_gguf.py: Q/K rows as its rotary kernel wants them
-                w = w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        heads = llama_qk_heads(name, cfg)
+        if heads is not None:
+            w = permute_qk(w, heads)
         if w.ndim == 2 and w.shape[1] % 32 == 0:  # NOTE: rows not in whole blocks stay F32 (the dry run's tiny K)
             kind = GGMLQuantizationType[GGUF_KINDS[matrices % len(GGUF_KINDS)]]
             matrices += 1
@@ -190,10 +183,7 @@ def write_gguf_model(src: Path, dst: Path) -> dict[str, str]:
             kinds[hf] = kind.name
         else:
             writer.add_tensor(name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return kinds
 
 

@@ -26,6 +26,7 @@ from engine_core.checkpoint.gguf_file import GgufTensor, read_index
 from engine_core.checkpoint.model_dir import GGUF_LINK, gguf_file, transformers_kwargs, weight_files
 from engine_core.checkpoint.model_files import default_model_path, resolve_model_dir
 from engine_core.model.gguf_weights import decode, iter_gguf_weights
+from tests.gguf_writer import finish, gguf_writer, llama_qk_heads, permute_qk
 
 Q = GGMLQuantizationType
 # Every format the tiny models are written in: the ones decoded in torch, and Q5_1 (gguf-py's own decoding).
@@ -54,41 +55,23 @@ def _tiny_hf(arch: str) -> torch.nn.Module:
     return model
 
 
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's convert_hf_to_gguf.py: Q/K rows as its rotary kernel wants them."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def _write_gguf(path: Path, arch: str, model: torch.nn.Module) -> Path:
     """The model as llama.cpp would write it: gguf-py's names, permuted Q/K rows (Llama), blocks per WEIGHT_TYPES."""
     cfg = model.config
-    writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(cfg.vocab_size)
+    writer = gguf_writer(path, arch, cfg)
     names = get_tensor_name_map(ARCHS[arch], cfg.num_hidden_layers)
     matrices = 0
     for hf, tensor in model.state_dict().items():
         base, suffix = hf.rsplit(".", 1)
         name = f"{names.get_name(base)}.{suffix}"
         w = tensor.numpy()
-        if arch == "llama" and ".attn_q." in name:
-            w = _permute(w, cfg.num_attention_heads)
-        elif arch == "llama" and ".attn_k." in name:
-            w = _permute(w, cfg.num_key_value_heads)
+        heads = llama_qk_heads(name, cfg) if arch == "llama" else None
+        if heads is not None:
+            w = permute_qk(w, heads)
         kind = WEIGHT_TYPES[matrices % len(WEIGHT_TYPES)] if w.ndim == 2 else Q.F32
         matrices += w.ndim == 2
         writer.add_tensor(name, quantize(w, kind), raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return path
 
 

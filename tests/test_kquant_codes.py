@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, dequantize, get_tensor_name_map
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize, get_tensor_name_map
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from engine_core import LLM, SamplingParams
@@ -22,8 +22,9 @@ from engine_core.model.layers.cpu_gemm_rows import CODED_M, NEVER, ONEDNN_M, Cpu
 from engine_core.model.layers.gguf_codes import GgufCodesMethod
 from engine_core.model.layers.linear import Linear
 from kernels import cpu as cpu_kernels
+from tests.gguf_writer import finish, gguf_writer, llama_qk_heads, permute_qk
 from tests.hf_reference import hf_greedy
-from tests.test_gguf_weights import ARCHS, _permute
+from tests.test_gguf_weights import ARCHS
 
 Q = GGMLQuantizationType
 KINDS = list(KQUANTS)
@@ -129,16 +130,7 @@ def _write_kquant_gguf(path: Path, model: torch.nn.Module, gen: torch.Generator)
     """`model`'s layout in a Llama GGUF file whose matrices are random K-quant blocks (each kind in turn; the output
     matrix Q6_K as llama.cpp writes it); the model's own values are not used, only its names and shapes."""
     cfg = model.config
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(cfg.vocab_size)
+    writer = gguf_writer(path, "llama", cfg)
     names = get_tensor_name_map(ARCHS["llama"], cfg.num_hidden_layers)
     kinds: dict[str, Q] = {}
     for i, (hf, tensor) in enumerate(model.state_dict().items()):
@@ -149,16 +141,12 @@ def _write_kquant_gguf(path: Path, model: torch.nn.Module, gen: torch.Generator)
             continue
         kind = Q.Q6_K if name == "output.weight" else KINDS[i % len(KINDS)]
         raw = kquant_bytes(kind, tensor.shape[0], tensor.shape[1], gen, scale=2e-3).numpy()
-        heads = {".attn_q.": cfg.num_attention_heads, ".attn_k.": cfg.num_key_value_heads}
-        for part, h in heads.items():
-            if part in name:  # rows as llama.cpp stores them (the loader undoes this, for codes and values alike)
-                raw = _permute(raw, h)
+        heads = llama_qk_heads(name, cfg)
+        if heads is not None:  # rows as llama.cpp stores them (the loader undoes this, for codes and values alike)
+            raw = permute_qk(raw, heads)
         writer.add_tensor(name, raw, raw_dtype=kind)
         kinds[hf] = kind
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     return kinds
 
 
