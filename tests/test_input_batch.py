@@ -43,6 +43,30 @@ def test_advance_appends_sampled_tokens_and_a_partial_prefill_does_not_sample() 
     assert inputs.input_ids.tolist() == [42] and inputs.positions.tolist() == [5] and inputs.num_decodes == 1
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_decode_only_step_gets_the_inputs_of_the_per_token_expansion(seed: int) -> None:
+    """Decode-only steps take `prepare`'s shortcut (each row's position is its computed count): every input the same
+    as the general per-token expansion's, ties in context length kept in scheduler order, a row whose sampled token
+    is not yet known (a step planned ahead) not sampling."""
+    rng = np.random.default_rng(seed)
+    batch = InputBatch(max_rows=8, max_model_len=64, max_blocks_per_seq=16, block_size=BS)
+    seq_ids = [int(s) for s in rng.permutation(100)[:6]]
+    for seq_id in seq_ids:
+        n = int(rng.integers(2, 60))
+        computed = n - int(rng.integers(1, 3))  # one token to decode, or two known (the step ahead's)
+        blocks = [int(b) for b in rng.permutation(64)[: -(-n // BS)]]
+        batch.add(seq_id, rng.integers(0, 1000, n).tolist(), 1, blocks, computed, SamplingParams())
+    batch.num_computed[batch.row_of[seq_ids[1]]] = batch.num_computed[batch.row_of[seq_ids[0]]]  # a tie
+    fast = batch.prepare(seq_ids, [1] * len(seq_ids))
+    rows = np.array([batch.row_of[s] for s in seq_ids], dtype=np.int64)
+    slow = batch._prepare_tokens(seq_ids, rows, [1] * len(seq_ids))
+    assert fast.seq_ids == slow.seq_ids and fast.num_decodes == slow.num_decodes == len(seq_ids)
+    for name in ("rows", "num_scheduled", "num_computed", "input_ids", "positions", "slot_mapping", "query_start_loc"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
+    assert fast.sample_mask.tolist() == slow.sample_mask.tolist() and not fast.sample_mask.all()
+
+
 def test_rows_are_reused_and_membership_is_checked() -> None:
     batch = make_batch(rows=2)
     batch.add(1, [1], 1, [0], 0, SamplingParams())
