@@ -29,9 +29,10 @@ _SOURCES = [
         "int8_ops.cpp",
         "bf16_linear.cpp",
         "decode_step.cpp",
+        "decode_int8.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "prefill_f32.h", "prefill_bf16.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "int8_a16.h", "prefill_f32.h", "prefill_bf16.h")]
 _NAME = "pagoda_cpu_kernels"
 _lock = threading.Lock()
 _loaded: bool | None = None

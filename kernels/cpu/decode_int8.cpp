@@ -14,7 +14,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -58,11 +57,7 @@ struct A16Rows {
 void run_share(const Product& p, const A16Rows& q, int64_t M, float* out, const Product& next) {
   const int t = omp_get_thread_num(), T = omp_get_num_threads();
   const auto [begin, end] = share(p.N, t, T);
-  const int8_t* ahead = share_start(next, t, T);
-  a16_run(out, q.hi, q.lo, q.s, q.hi_sum, M, p.codes, p.scale, p.bias, p.N, p.K, begin, end, ahead);
-  static const int64_t burst = std::getenv("PAGODA_BURST") ? std::atoll(std::getenv("PAGODA_BURST")) : 0;
-  const int64_t from = kPrefetchTiles * kNb * next.K;
-  for (int64_t b = from; b < from + burst; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T1);
+  a16_run(out, q.hi, q.lo, q.s, q.hi_sum, M, p.codes, p.scale, p.bias, p.N, p.K, begin, end, share_start(next, t, T));
 #pragma omp barrier
 }
 

@@ -11,6 +11,7 @@
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
 #include <vector>
 
@@ -127,6 +128,20 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
   auto forms = [&](int64_t p) {
     return Forms{out_features[p], plain_v[p], panels_v[p], coded_v[p], onednn_v[p], int8_v[p], int8_s[p]};
   };
+  // int8 weight-only at every projection: the layers in one parallel region each (decode_int8.cpp)
+  if (B > 0 && B < w8a8_m) {
+    std::vector<at::Tensor> codes_v, scales_v;
+    int64_t max_k = 0;
+    for (size_t p = 0; p < P && int8_v[p].has_value() && int8_s[p].has_value(); ++p) {
+      codes_v.push_back(*int8_v[p]);
+      scales_v.push_back(*int8_s[p]);
+      max_k = std::max(max_k, int8_v[p]->size(-1));
+    }
+    if (codes_v.size() == P && decode_layers_int8_supported(max_k)) {
+      return decode_layers_int8(h, cos, sin, kv_caches, slot_mapping, block_tables, seq_lens, norms, codes_v,
+                                scales_v, qkv_biases, num_heads, num_kv_heads, head_dim, eps, scale);
+    }
+  }
   // NOTE: with bf16 weights (bf16 panels below onednn_m, oneDNN from there; codes below coded_m), the norms write
   // the next GEMM's bf16 input and read o/down's bf16 products, and the rotary reads qkv's, in place of a cast on
   // each side (fused_ops.cpp, rms_norm_to and rotary_embedding_to).

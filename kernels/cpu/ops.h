@@ -3,6 +3,9 @@
 
 #include <ATen/ATen.h>
 
+#include <tuple>
+#include <vector>
+
 namespace pagoda {
 
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv_cache,
@@ -34,6 +37,18 @@ void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records
 // W8A8 from there (int8_ops.cpp).
 void int8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                  const c10::optional<at::Tensor>& bias, int64_t w8a8_m);
+// decode_step.cpp's layers when every projection is int8 weight-only at these rows (decode_int8.cpp): codes and
+// scales per projection in decode_layers' order; supported where the build has AVX-512 VNNI and every in_features
+// is below `max_k`'s limit.
+bool decode_layers_int8_supported(int64_t max_k);
+std::tuple<at::Tensor, at::Tensor> decode_layers_int8(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
+                                                      at::TensorList kv_caches, const at::Tensor& slot_mapping,
+                                                      const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                                      at::TensorList norms, const std::vector<at::Tensor>& codes,
+                                                      const std::vector<at::Tensor>& scales,
+                                                      at::TensorList qkv_biases, int64_t num_heads,
+                                                      int64_t num_kv_heads, int64_t head_dim, double eps,
+                                                      double scale);
 
 // A projection's optional bias of n outputs, checked, as a pointer (nullptr for none); `op` names the caller.
 inline const float* bias_data(const c10::optional<at::Tensor>& bias, int64_t n, const char* op) {
