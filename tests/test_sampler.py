@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from engine_core.sample.penalties import BoundPenalties, PenaltyState, apply_penalties
-from engine_core.sample.sampler import TOP_P_CANDIDATES, Sampler, SamplerOutput, apply_top_p, compute_logprobs
+from engine_core.sample.sampler import (
+    FAILED_TOKEN,
+    TOP_P_CANDIDATES,
+    Sampler,
+    SamplerOutput,
+    apply_top_p,
+    compute_logprobs,
+    row_argmax,
+)
 from engine_core.sample.sampling_batch import SamplingBatch, SamplingMetadata
 from engine_core.sampling_params import SamplingParams
 
@@ -46,6 +54,30 @@ def test_pure_greedy_is_argmax_with_ties() -> None:
     assert torch.equal(out.sampled_token_ids, torch.argmax(logits, dim=-1))
     assert out.sampled_token_ids[0] == 7 and out.sampled_token_ids[3] == 0
     assert out.logprobs is None
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["contiguous", "strided"])
+def test_row_argmax_is_torch_max_with_ties_and_non_finite_rows(view: bool) -> None:
+    """The greedy pick (numpy's vectorised argmax on CPU) gives `max(dim=-1)`'s maxima and first maximal indices; a
+    row with a NaN, +inf or nothing but -inf has a non-finite maximum, so greedy sampling fails that row alone."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 2 * 49_152 if view else 49_152, generator=gen)
+    if view:
+        logits = logits[:, 3 : 3 + 49_152]  # rows of a wider tensor
+    logits[1, [5, 40_000]] = 50.0  # a tie: the first index
+    logits[2, 17] = float("nan")
+    logits[3, 9] = float("inf")
+    logits[4] = float("-inf")
+    logits[5] = 0.0
+    values, index = row_argmax(logits)
+    want_values, want_index = logits.max(dim=-1)
+    finite = torch.isfinite(want_values)
+    assert torch.equal(index[finite], want_index[finite]) and torch.equal(values[finite], want_values[finite])
+    assert index.dtype == torch.int64 and index.tolist()[:2] == [want_index[0].item(), 5]
+    assert torch.isnan(values[2]) and values[3] == float("inf") and values[4] == float("-inf")
+    batch = batch_of(49_152, [SamplingParams(temperature=0.0) for _ in range(7)])
+    tokens = step(batch, list(range(7)), logits).sampled_token_ids.tolist()
+    assert tokens[2:5] == [FAILED_TOKEN] * 3 and tokens[:2] == want_index[:2].tolist() and tokens[5:] == [0, tokens[6]]
 
 
 def test_top_k_1_equals_greedy_in_a_mixed_batch() -> None:
