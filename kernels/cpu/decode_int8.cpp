@@ -95,6 +95,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_int8(at::Tensor h, const at::Te
     max_k = std::max(max_k, K);
   }
   TORCH_CHECK(max_k < kA16MaxK, "decode_layers: int8 in_features too large for the 16-bit activations");
+  TORCH_CHECK(h.scalar_type() == at::kFloat && h.dim() == 2 && h.is_contiguous(),
+              "decode_layers: int8 layers need float32 embeddings");
+  TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L), "decode_layers: expected 2 norms per layer");
+  for (const at::Tensor& w : norms) {
+    TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == hidden,
+                "decode_layers: norm weights must be contiguous float32 vectors of the hidden size");
+  }
   const auto opts = h.options();
   // The step's buffers, once (the loop allocates each op's output per layer).
   at::Tensor x = at::empty({B, hidden}, opts), qkv = at::empty({B, qkv_n}, opts);
