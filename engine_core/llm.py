@@ -273,9 +273,7 @@ class LLM:
             raise
         finally:
             bar.close()
-        release = self.engine.runner.heap_release
-        if release is not None:
-            release.after_idle()
+        self.engine.runner.release_idle_heap()
         outputs = [finished[r.request_id] for r in order]
         for request, output in zip(order, outputs, strict=True):
             # The core's own clock: scheduling and first-token times as the scheduler saw them.

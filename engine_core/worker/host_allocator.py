@@ -23,8 +23,10 @@ chunk, which keeps the freed chunk from merging, so the next request of that siz
 NOTE: the price is that the process keeps its high-water mark of heap memory (the largest step's activations) while
 large steps keep coming (the serving processes' peak RSS did not grow: 4.56-4.59 GB with it, 4.56-4.67 GB without;
 4.88-4.92 GB with M_MMAP_MAX 0 or this threshold, in another window). `HeapRelease` (the runner's, after each step)
-gives that room back once only small steps follow, in a worker as offline: `malloc_trim` is explicit, so the trim
-threshold above does not stop it. The KV cache is not on the heap (host_memory.py maps it), so it is not affected.
+gives that room back once only small steps follow, in a worker as offline, and again when the engine goes idle
+(`ModelRunner.release_idle_heap`: when `LLM.generate` returns; in a worker after a second without a step,
+services/worker/server.py): `malloc_trim` is explicit, so the trim threshold above does not stop it. The KV cache is
+not on the heap (host_memory.py maps it), so it is not affected.
 These are process-wide settings: the worker applies them at start; the in-process `LLM` leaves its host process's
 allocator alone (offline, where steps run on the main thread, it gained 1 %: inside the noise, docs/decisions.md,
 "Memory").
@@ -130,8 +132,8 @@ class HeapRelease:
             self._release()
 
     def after_idle(self) -> None:
-        """The engine has nothing left to run (offline: a `generate` call has finished): gives back what the steps
-        since the last release left free.
+        """The engine has nothing left to run (offline: a `generate` call has finished; a worker: no step for
+        a second, services/worker/server.py): gives back what the steps since the last release left free.
 
         NOTE: why: the decode steps after the last release free their temporaries into the heap too (the random
         workload's heap grew ~15-30 MB above its level after the release), and offline the next call's fresh KV

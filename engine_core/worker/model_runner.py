@@ -244,6 +244,13 @@ class ModelRunner:
         )
         capture_graphs(self.decode_step, self.mixed_step, self.kv_caches)
 
+    def release_idle_heap(self) -> None:
+        """Nothing is left to run (`LLM.generate` returned; a worker that no step reached for a while): the heap's
+        free pages that the steps since the last release left go back to the kernel (`HeapRelease.after_idle`).
+        Call it on the thread that runs steps, between them."""
+        if self.heap_release is not None:
+            self.heap_release.after_idle()
+
     # ---- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:

@@ -17,7 +17,7 @@ from services.frontend.auth import ApiKeys
 from services.frontend.limits import ApiLimits
 from services.frontend.pipeline import RequestPipeline
 from services.frontend.request import ChatMessage, ErrorCode, GenerateInput, PromptInput, RequestError, StreamEvent
-from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT, send_within
+from services.frontend.slow_clients import DEFAULT_STREAM_SEND_TIMEOUT, SendWatchdog
 from services.rpc import common_pb2, generation_pb2, generation_pb2_grpc
 
 GRPC_CODES = {code: getattr(grpc.StatusCode, code.value) for code in ErrorCode}
@@ -155,10 +155,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             pipeline, tenant = self._ready(context)
             prepared = await pipeline.prepare(input_from_proto(request, self._trace(context), tenant))
             # NOTE: closed on the way out, before the status is sent: a stalled client's request is aborted at once.
-            async with contextlib.aclosing(pipeline.stream(prepared)) as events:
+            async with (
+                contextlib.aclosing(pipeline.stream(prepared)) as events,
+                SendWatchdog(self.send_timeout, prepared.request_id) as watchdog,
+            ):
                 async for event in events:
-                    msg = response_from_event(event, prepared.prompt_token_ids)
-                    await send_within(context.write(msg), self.send_timeout, prepared.request_id)
+                    await watchdog.send(context.write(response_from_event(event, prepared.prompt_token_ids)))
         except RequestError as e:
             # NOTE: the status queues behind the unread messages; a client that never reads again must not hold
             # this handler (gRPC still delivers the status if the client comes back).

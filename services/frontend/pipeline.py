@@ -234,8 +234,9 @@ class RequestPipeline:
                     span.detokenize_end(t0)
                 for stop in step.stops:
                     self._finish_choice(stop, req)
-                scheduled_ns = msg.timestamps.scheduled_ns or scheduled_ns
-                timestamps = msg.timestamps
+                if msg.HasField("timestamps"):  # NOTE: sent only when a time changed (scheduler.proto)
+                    timestamps = msg.timestamps
+                    scheduled_ns = timestamps.scheduled_ns or scheduled_ns
                 error = msg.error or error
                 deltas = [d for u in step.updates for d in u.deltas]
                 if any(d.token_ids for d in deltas):

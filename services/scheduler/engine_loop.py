@@ -24,7 +24,6 @@ from engine_core.core.seq_output import SeqOutput, ending_outputs
 from engine_core.engine import EngineCore
 from engine_core.stats import EngineStats
 from services.common.telemetry import Telemetry
-from services.common.timeutil import monotonic_to_ns
 from services.scheduler.config import SchedulerConfig
 from services.scheduler.executor import RemoteExecutor, StepDeadline, WorkerGroupInfo, WorkerMismatchError
 from services.scheduler.failover import FailureCounts
@@ -228,9 +227,7 @@ class EngineLoop:
                 event.finished = True
                 del self._requests[request.request_id]
             t = request.timings
-            event.scheduled_ns = monotonic_to_ns(t.first_scheduled)
-            event.first_token_ns = monotonic_to_ns(t.first_token)
-            event.finished_ns = monotonic_to_ns(t.finished)
+            event.times = (t.first_scheduled, t.first_token, t.finished)
         self._flush(events)
         self._flush_kv()
         self._publish_stats()

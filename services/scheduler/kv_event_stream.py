@@ -54,7 +54,10 @@ async def watch_kv_events(
                 next_load = now + LOAD_INTERVAL_S
             sub.wake.clear()
             if not sub.pending:
+                # NOTE: asyncio.timeout, not wait_for: no task per wait (Python 3.11's wait_for wraps one), and
+                # this waits ~10 times a second for as long as a router subscribes.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(sub.wake.wait(), timeout=max(0.0, next_load - loop.time()))
+                    async with asyncio.timeout_at(next_load):
+                        await sub.wake.wait()
     finally:
         hub.unsubscribe(sub)

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from engine_core.core.request import Request
 from engine_core.core.seq_output import SeqOutput
 
+RequestTimes = tuple[float | None, float | None, float | None]  # first scheduled, first token, finished
+
 
 @dataclass
 class RequestEvent:
@@ -22,9 +24,9 @@ class RequestEvent:
     error_code: str = ""
     # The engine request this event belongs to: a stale event never reaches a newer request that reuses the id.
     request: Request | None = None
-    scheduled_ns: int = 0
-    first_token_ns: int = 0
-    finished_ns: int = 0
+    # The request's times (this process's time.monotonic(), None: not yet), converted to Unix time only on the
+    # messages that carry them (when one changed).
+    times: RequestTimes = (None, None, None)
 
 
 Publish = Callable[[list[RequestEvent]], None]

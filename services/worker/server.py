@@ -38,6 +38,10 @@ from services.worker.tracing import record_execute
 log = structlog.get_logger(__name__)
 
 ORDER_WAIT_S = 5.0  # how long a step that arrived before its predecessor waits for it (then it is refused)
+# NOTE: no step for this long and the heap's freed room goes back to the kernel: longer than any gap inside a burst
+# (steps run back to back; a 2,048-token prefill step is ~2.5 s but counts as busy while it runs), short against the
+# idle time between bursts.
+IDLE_RELEASE_S = 1.0
 
 
 class StepError(Exception):
@@ -61,6 +65,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._order = asyncio.Condition()
         self.profiled_blocks: int | None = None
         self.last_step_at = time.monotonic()
+        self.executing = 0  # Execute calls in progress (waiting for their turn or running)
         # NOTE: one thread owns the runner: steps are strictly ordered and torch runs outside the event loop.
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="step")
         # Grammars compiled (the compile thread's) and matchers made (the step thread's) since the last step.
@@ -153,6 +158,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.ExecuteRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ExecuteResponse:
         self.last_step_at = time.monotonic()
+        self.executing += 1
         try:
             await self._wait_turn(request)
             return await asyncio.get_running_loop().run_in_executor(self.pool, self._execute, request)
@@ -162,7 +168,26 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             log.exception("step failed", step=request.step)
             await context.abort(grpc.StatusCode.INTERNAL, f"step {request.step} failed: {e}")
         finally:
+            self.executing -= 1
             self.last_step_at = time.monotonic()
+
+    async def release_when_idle(self, idle_s: float = IDLE_RELEASE_S) -> None:
+        """Runs for the server's life: once no step has arrived or run for `idle_s`, the runner gives the heap room
+        its steps left free back to the kernel (`ModelRunner.release_idle_heap`), on the step thread, so never
+        during a step.
+
+        NOTE: why: `retain_freed_memory` keeps every freed activation in the heap, and `HeapRelease.after_step`
+        releases only after a phase of large steps; what the decode steps since then freed stayed resident while the
+        worker idled. The scheduler sends no step while it has nothing to run, so silence is how a worker learns that
+        a burst is over (`LLM.generate` knows: its call returns). One check per `idle_s`; one release per idle period
+        (`HeapRelease` remembers whether a step ran since the last one)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(idle_s)
+            runner = self.runner
+            if runner is None or self.executing or time.monotonic() - self.last_step_at < idle_s:
+                continue
+            await loop.run_in_executor(self.pool, runner.release_idle_heap)
 
     async def _wait_turn(self, request: worker_pb2.ExecuteRequest) -> None:
         """Holds a step of this epoch until every earlier one is queued; the queue (one thread) keeps the order.
@@ -236,7 +261,9 @@ async def serve(config: WorkerConfig, telemetry: Telemetry | None = None) -> Non
         loading.result()  # NOTE: a failed load raises here and the process exits non-zero
         await health.set_serving(True)
         log.info("worker ready", model=model_name(config.engine.model))
+        idle = asyncio.ensure_future(servicer.release_when_idle())
         await stop.wait()
+        idle.cancel()
     log.info("draining: steps are served until the scheduler goes quiet")
     await health.start_draining()
     deadline = time.monotonic() + config.drain_timeout
