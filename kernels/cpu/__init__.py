@@ -22,6 +22,7 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "paged_attention.cpp",
+        "store_kv.cpp",
         "prefill_attention.cpp",
         "fused_ops.cpp",
         "panel_linear.cpp",
@@ -31,7 +32,9 @@ _SOURCES = [
         "decode_step.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "prefill_f32.h", "prefill_bf16.h")]
+_HEADERS = [
+    Path(__file__).with_name(name) for name in ("ops.h", "decode_attention_simd.h", "prefill_f32.h", "prefill_bf16.h")
+]
 _NAME = "pagoda_cpu_kernels"
 _lock = threading.Lock()
 _loaded: bool | None = None
