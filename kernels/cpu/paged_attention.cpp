@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "decode_attention_bf16.h"
 #include "decode_attention_simd.h"
 #include "ops.h"
 
@@ -18,6 +19,7 @@
 #include <limits>
 #include <numeric>
 #include <omp.h>
+#include <type_traits>
 #include <vector>
 
 // NOTE: glibc declares the vector variants of expf (libmvec) only under -ffast-math, which would also let the
@@ -102,13 +104,66 @@ struct DecodeArgs {
   float fscale;
 };
 
-// Per work item: the scores of its query heads (one row of `stride` >= seq_len floats each) and pointer lists.
+// Per work item: the scores of its query heads (one row of `stride` >= seq_len floats each) and pointer lists; for
+// the bf16 dot products also q and the weights as bf16 bits and the outputs in accumulate_slice's lane order.
 struct Scratch {
   std::vector<float> scores;
   std::vector<float> inv_sum;
   std::vector<const float*> p;
   std::vector<float*> o;
+  std::vector<uint16_t> q16, p16;
+  std::vector<const uint16_t*> p2;
+  std::vector<float> acc;
 };
+
+// Whether a cache of T at head_dim D takes the bf16 dot products (decode_attention_bf16.h): a bf16 cache, where
+// the compiler targets AVX-512 BF16.
+template <typename T>
+inline bool uses_dot_products([[maybe_unused]] int64_t D) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) return pagoda::decode_bf16::head_dim_fits(D);
+#endif
+  return false;
+}
+
+#if defined(__AVX512BF16__)
+namespace dp = pagoda::decode_bf16;
+#endif
+
+#if defined(__AVX512BF16__)
+// `attend`'s passes with the bf16 dot products: q (scaled) and the weights rounded to bf16, the outputs accumulated
+// in accumulate_slice's lane order and put back in place by the normalisation.
+template <typename Walk>
+void attend_dp(const DecodeArgs<at::BFloat16>& a, int64_t L, const float* qg, float* og, int64_t heads,
+               int64_t stride, const Walk& walk, Scratch& s) {
+  const int64_t D = a.D, G = a.G, row = a.row, slices = D / dp::kSlice;
+  s.q16.resize(heads * D);
+  s.p16.resize(heads * stride);
+  s.p2.resize(G);
+  s.acc.assign(heads * D, 0.0f);
+  dp::narrow_scaled(qg, a.fscale, heads * D, s.q16.data());
+  walk(a.kp, [&](int64_t l0, int64_t n, const at::BFloat16* rows) {
+    for (int64_t h = 0, j = 0; j < heads; ++h) {
+      for (int64_t g = 0; g < G; ++g, ++j)
+        dp::score_rows(s.q16.data() + j * D, rows + h * D, n, row, D, s.scores.data() + j * stride + l0);
+    }
+  });
+  for (int64_t j = 0; j < heads; ++j)
+    s.inv_sum[j] = dp::softmax_row(s.scores.data() + j * stride, L, s.p16.data() + j * stride);
+  walk(a.vp, [&](int64_t l0, int64_t n, const at::BFloat16* rows) {
+    for (int64_t h = 0; h * G < heads; ++h) {
+      for (int64_t c = 0; c < slices; ++c) {
+        for (int64_t g = 0; g < G; ++g) {
+          s.p2[g] = s.p16.data() + (h * G + g) * stride + l0;
+          s.o[g] = s.acc.data() + (h * G + g) * D + dp::kSlice * c;
+        }
+        dp::accumulate_heads(s.p2.data(), G, rows + h * D + dp::kSlice * c, n, row, s.o.data());
+      }
+    }
+  });
+  for (int64_t j = 0; j < heads; ++j) dp::finish_head(s.acc.data() + j * D, 0, slices, s.inv_sum[j], og + j * D);
+}
+#endif
 
 // Attention of sequence b's query heads [h0*G, h1*G) over KV heads [h0, h1).
 template <typename T>
@@ -125,6 +180,7 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, Scratch& 
   s.inv_sum.resize(heads);
   s.p.resize(G);
   s.o.resize(G);
+  const bool dp = uses_dot_products<T>(D);
   const int32_t* table = a.tables + b * a.max_blocks;
   const bool whole_rows = (h1 - h0) * D == row;
   // The walk: chunks of up to kChunk rows that never cross a block; `base` + the chunk's first row.
@@ -139,6 +195,11 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, Scratch& 
       l0 += n;
     }
   };
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (dp) return attend_dp(a, L, qg, og, heads, stride, walk, s);
+  }
+#endif
   // Pass 1: scores[j][l] = scale * q_j . k_l for every query head j of the item.
   walk(a.kp, [&](int64_t l0, int64_t n, const T* rows) {
     for (int64_t j = 0; j < heads; ++j)
@@ -186,6 +247,14 @@ bool attend_lone(const DecodeArgs<T>& a, int64_t b, int64_t nthreads) {
   std::vector<float> scores(H * stride), inv_sum(H);
   const float* qg = a.qp + b * a.q_row;
   float* og = a.op + b * H * D;
+  // the bf16 dot products: q and the weights as bf16 bits, the outputs in accumulate_slice's lane order, the V walk
+  // split by its 32-element slices
+  const bool dp = uses_dot_products<T>(D);
+  std::vector<uint16_t> q16(dp ? H * D : 0), p16(dp ? H * stride : 0);
+  std::vector<float> acc(dp ? H * D : 0);
+#if defined(__AVX512BF16__)
+  if (dp) dp::narrow_scaled(qg, a.fscale, H * D, q16.data());
+#endif
   // chunks of up to kChunk rows that never cross a block, over rows [l_begin, l_end), as attend's walk
   auto walk = [&](const T* base, int64_t l_begin, int64_t l_end, auto&& visit) {
     for (int64_t l0 = l_begin; l0 < l_end;) {
@@ -200,14 +269,52 @@ bool attend_lone(const DecodeArgs<T>& a, int64_t b, int64_t nthreads) {
     walk(a.kp, std::min(L, w * spans / nw * span), std::min(L, (w + 1) * spans / nw * span),
          [&](int64_t l0, int64_t n, const T* rows) {
            touch_rows(rows, n, row, row);
+#if defined(__AVX512BF16__)
+           if constexpr (std::is_same_v<T, at::BFloat16>) {
+             if (dp) {
+               for (int64_t j = 0; j < H; ++j)
+                 dp::score_rows(q16.data() + j * D, rows + (j / G) * D, n, row, D, scores.data() + j * stride + l0);
+               return;
+             }
+           }
+#endif
            for (int64_t j = 0; j < H; ++j)
              score_rows(qg + j * D, rows + (j / G) * D, n, row, D, a.fscale, scores.data() + j * stride + l0);
          });
 #pragma omp barrier
-    for (int64_t j = w; j < H; j += nw) inv_sum[j] = softmax_row(scores.data() + j * stride, L);
+    for (int64_t j = w; j < H; j += nw) {
+#if defined(__AVX512BF16__)
+      if (dp) {
+        inv_sum[j] = dp::softmax_row(scores.data() + j * stride, L, p16.data() + j * stride);
+        continue;
+      }
+#endif
+      inv_sum[j] = softmax_row(scores.data() + j * stride, L);
+    }
 #pragma omp barrier
+#if defined(__AVX512BF16__)
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      if (dp) {
+        const int64_t slices = D / dp::kSlice, s0 = w * slices / nw, s1 = (w + 1) * slices / nw;
+        std::vector<const uint16_t*> p(G);
+        std::vector<float*> o(G);
+        walk(a.vp, 0, s1 > s0 ? L : 0, [&](int64_t l0, int64_t n, const T* rows) {
+          for (int64_t h = 0; h < HKV; ++h) {
+            for (int64_t c = s0; c < s1; ++c) {
+              for (int64_t g = 0; g < G; ++g) {
+                p[g] = p16.data() + (h * G + g) * stride + l0;
+                o[g] = acc.data() + (h * G + g) * D + dp::kSlice * c;
+              }
+              dp::accumulate_heads(p.data(), G, rows + h * D + dp::kSlice * c, n, row, o.data());
+            }
+          }
+        });
+        for (int64_t j = 0; j < H; ++j) dp::finish_head(acc.data() + j * D, s0, s1, inv_sum[j], og + j * D);
+      }
+    }
+#endif
     const int64_t c0 = w * vectors / nw, c1 = (w + 1) * vectors / nw;
-    if (c1 > c0) {
+    if (c1 > c0 && !dp) {
       std::vector<const float*> p(G);
       std::vector<float*> o(G), shifted(G);
       for (int64_t j = 0; j < H; ++j) std::fill(og + j * D + 16 * c0, og + j * D + 16 * c1, 0.0f);
@@ -313,6 +420,8 @@ TORCH_LIBRARY(pagoda_cpu, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor kv_cache, Tensor block_tables, Tensor seq_lens, "
       "float scale) -> ()");
+  m.def("decode_bf16_dot_products(int head_dim) -> bool",
+        [](int64_t head_dim) { return uses_dot_products<at::BFloat16>(head_dim); });
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) {
