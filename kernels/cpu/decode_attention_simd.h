@@ -1,13 +1,17 @@
 // The SIMD helpers of CPU decode attention (paged_attention.cpp) whose arithmetic is fp32 FMAs on K/V widened to
-// fp32: the dense touch of a chunk's rows, scoring 16 K rows against one query head, and accumulating V rows for a
-// KV head's query group in registers. Every output element's arithmetic is fixed by these helpers, so a caller that
-// hands them the same rows in the same chunks gets the same bits whatever the work split.
+// fp32: the dense touch of a chunk's rows, scoring K rows against one query head (16 to a register of scores), and
+// accumulating V rows for a KV head's query group in registers, with their portable fallbacks. Every output
+// element's arithmetic is fixed by these helpers, so a caller that hands them the same rows in the same chunks gets
+// the same bits whatever the work split.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include "ops.h"
+
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -193,5 +197,48 @@ inline void accumulate_slice(const float* const* p, int64_t G, const T* v, int64
   }
 }
 #endif
+
+// scores[t] = scale * q . k_t for n K rows `row` floats apart.
+template <typename T>
+inline void score_rows(const float* q, const T* k, int64_t n, int64_t row, int64_t D, float scale, float* scores) {
+#if defined(__AVX512F__)
+  if (n == 16 && D == 64) return score16<4>(q, k, row, scale, scores);
+  if (n == 16 && D == 128) return score16<8>(q, k, row, scale, scores);
+#endif
+  for (int64_t t = 0; t < n; ++t) scores[t] = pagoda::dot(q, k + t * row, D) * scale;  // ops.h, per type
+}
+
+// o[g] += sum_t p[g][t] * v_t for the G query heads of one KV head over n V rows `row` floats apart.
+template <typename T>
+inline void accumulate_rows(const float* const* p, int64_t G, const T* v, int64_t n, int64_t row, int64_t D,
+                            float* const* o) {
+#if defined(__AVX512F__)
+  if (D == 64) return accumulate_heads<4, 4>(p, G, v, n, row, o);
+  if (D == 128) return accumulate_heads<8, 2>(p, G, v, n, row, o);
+#endif
+  for (int64_t g = 0; g < G; ++g) {
+    float* og = o[g];
+    for (int64_t t = 0; t < n; ++t) {
+      const T* vt = v + t * row;
+      const float pt = p[g][t];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) og[d] += pt * static_cast<float>(vt[d]);
+    }
+  }
+}
+
+// The largest of x[0, n) (-inf for n = 0). NOTE: GCC left `omp simd reduction(max)` over std::max scalar (~9 % of
+// the kernel in perf); the maximum does not depend on the order, so the bits are the same.
+inline float max_of(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t l = 0;
+#if defined(__AVX512F__)
+  __m512 mv = _mm512_set1_ps(m);
+  for (; l + 16 <= n; l += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + l));
+  m = _mm512_reduce_max_ps(mv);
+#endif
+  for (; l < n; ++l) m = std::max(m, x[l]);
+  return m;
+}
 
 }  // namespace pagoda::decode_simd
