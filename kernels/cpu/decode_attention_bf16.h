@@ -6,14 +6,18 @@
 // its group (3x for SmolLM2's 9 / 3 heads) and every V element once, then run one FMA per 16 multiply-adds; with the
 // rows in L1 after the touch that compute, not DRAM, was most of a 64-row step's attention. vdpbf16ps does 32
 // multiply-adds per instruction on the cache's bits as they are:
-//   score_t = sum_i q2[i] . k_t[2i : 2i + 2]      q scaled and rounded to bf16 once per work item; a K row is 64
-//                                                  bytes of pairs per vector, 16 rows per register of scores
-//                                                  (reduce16); lane i's pair sums first, then the vectors in order
+//   score_t = sum_i (hi2[i] . k_t[2i : 2i + 2]     q scaled and split once per work item into two bf16 halves,
+//                    + lo2[i] . k_t[2i : 2i + 2])  hi = bf16(q) and lo = bf16(q - hi) (~16 of q's 24 bits); a K
+//                                                  row is 64 bytes of pairs per vector, used by both halves; 16
+//                                                  rows per register of scores (reduce16); per lane hi's pair,
+//                                                  then lo's, vector after vector
 //   o[d] += (p_t, p_t+1) . (v_t[d], v_t+1[d])      two consecutive V rows interleaved in registers (unpacklo/hi of
 //                                                  16-bit elements), the weights rounded to bf16 and broadcast as a
 //                                                  pair; a chunk's odd last row is paired with a zero row and weight 0
-// What is rounded beyond the cache's own bf16: q (once) and the softmax weights p (each; the sum that normalises
-// the output adds the rounded weights), as prefill attention's dot products do (prefill_bf16.h); the max, the exp
+// What is rounded beyond the cache's own bf16: q to ~16 bits (relative ~2^-17; NOTE: q rounded to bf16 alone, as
+// prefill's dot products do, moved the scores by up to 2^-9 of |q . k|, and greedy decoding over the equality
+// prompts matched float32's on 12 of 17 against the widened kernel's 16, benchmarks.md), and the softmax weights p
+// (each, relative 2^-9; the sum that normalises the output adds the rounded weights); the max, the exp
 // (prefill_bf16.h's polynomial), the sums and the outputs stay fp32. Every output element's arithmetic depends only
 // on its rows and the chunk they are in, never on the work split, so the bits do not depend on the thread count.
 #pragma once
@@ -33,36 +37,62 @@
 namespace pagoda::decode_bf16 {
 
 using prefill_bf16::as_bh;
-using prefill_bf16::narrow_scaled;
 
 constexpr int64_t kSlice = 32;  // elements of a row per vector of bf16 pairs (one 64-byte load)
 
 // Whether this head_dim runs the dot products (whole 64-byte vectors of pairs, up to 4 of them in registers).
 inline bool head_dim_fits(int64_t D) { return D % kSlice == 0 && D <= 4 * kSlice; }
 
-// scores[t] = q . k_t for n <= 16 K rows `row` elements apart; q is NV vectors of bf16 pairs. NOTE: lanes past n
-// repeat the last row and are not stored, so a row's score does not depend on how full its chunk is.
+// hi[x] = bf16(scale * src[x]), lo[x] = bf16(scale * src[x] - hi[x]) (nearest even), as bits, for n elements.
+inline void split_scaled(const float* src, float scale, int64_t n, uint16_t* hi, uint16_t* lo) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  int64_t x = 0;
+  for (; x + 16 <= n; x += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(src + x), sc);
+    const __m512i h = prefill_bf16::round16(v);
+    const __m512i l = prefill_bf16::round16(_mm512_sub_ps(v, _mm512_castsi512_ps(h)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + x), _mm512_cvtepi32_epi16(_mm512_srli_epi32(h, 16)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + x), _mm512_cvtepi32_epi16(_mm512_srli_epi32(l, 16)));
+  }
+  for (; x < n; ++x) {
+    const float v = src[x] * scale;
+    hi[x] = static_cast<uint16_t>(prefill_bf16::bf16_bits(v));
+    lo[x] = static_cast<uint16_t>(prefill_bf16::bf16_bits(v - c10::bit_cast<float>(uint32_t{hi[x]} << 16)));
+  }
+}
+
+// scores[t] = q . k_t for n <= 16 K rows `row` elements apart; q is its hi and lo halves, NV vectors of bf16 pairs
+// each. NOTE: lanes past n repeat the last row and are not stored, so a row's score does not depend on how full its
+// chunk is.
 template <int NV>
-inline void score16(const uint16_t* q, const at::BFloat16* k, int64_t n, int64_t row, float* scores) {
-  __m512bh qv[NV];
-  for (int c = 0; c < NV; ++c) qv[c] = as_bh(_mm512_loadu_si512(q + kSlice * c));
+inline void score16(const uint16_t* hi, const uint16_t* lo, const at::BFloat16* k, int64_t n, int64_t row,
+                    float* scores) {
+  __m512bh qh[NV], ql[NV];
+  for (int c = 0; c < NV; ++c) {
+    qh[c] = as_bh(_mm512_loadu_si512(hi + kSlice * c));
+    ql[c] = as_bh(_mm512_loadu_si512(lo + kSlice * c));
+  }
   __m512 acc[16];
 #pragma GCC unroll 16
   for (int t = 0; t < 16; ++t) {
     const at::BFloat16* kt = k + std::min<int64_t>(t, n - 1) * row;
-    acc[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], as_bh(_mm512_loadu_si512(kt)));
+    acc[t] = _mm512_setzero_ps();
 #pragma GCC unroll 4
-    for (int c = 1; c < NV; ++c) acc[t] = _mm512_dpbf16_ps(acc[t], qv[c], as_bh(_mm512_loadu_si512(kt + kSlice * c)));
+    for (int c = 0; c < NV; ++c) {
+      const __m512bh kc = as_bh(_mm512_loadu_si512(kt + kSlice * c));
+      acc[t] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[t], qh[c], kc), ql[c], kc);
+    }
   }
   _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << n) - 1), decode_simd::reduce16(acc));
 }
 
-inline void score_rows(const uint16_t* q, const at::BFloat16* k, int64_t n, int64_t row, int64_t D, float* scores) {
+inline void score_rows(const uint16_t* hi, const uint16_t* lo, const at::BFloat16* k, int64_t n, int64_t row,
+                       int64_t D, float* scores) {
   switch (D / kSlice) {
-    case 1: return score16<1>(q, k, n, row, scores);
-    case 2: return score16<2>(q, k, n, row, scores);
-    case 3: return score16<3>(q, k, n, row, scores);
-    default: return score16<4>(q, k, n, row, scores);
+    case 1: return score16<1>(hi, lo, k, n, row, scores);
+    case 2: return score16<2>(hi, lo, k, n, row, scores);
+    case 3: return score16<3>(hi, lo, k, n, row, scores);
+    default: return score16<4>(hi, lo, k, n, row, scores);
   }
 }
 

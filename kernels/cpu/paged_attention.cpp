@@ -88,21 +88,22 @@ namespace dp = pagoda::decode_bf16;
 #endif
 
 #if defined(__AVX512BF16__)
-// `attend`'s passes with the bf16 dot products: q (scaled) and the weights rounded to bf16, the outputs accumulated
+// `attend`'s passes with the bf16 dot products: q (scaled) split into two bf16 halves, the weights rounded to bf16, the
 // in accumulate_slice's lane order and put back in place by the normalisation.
 template <typename Walk>
 void attend_dp(const DecodeArgs<at::BFloat16>& a, int64_t L, const float* qg, float* og, int64_t heads,
                int64_t stride, const Walk& walk, Scratch& s) {
   const int64_t D = a.D, G = a.G, row = a.row, slices = D / dp::kSlice;
-  s.q16.resize(heads * D);
+  s.q16.resize(2 * heads * D);  // q's hi halves, then its lo halves
   s.p16.resize(heads * stride);
   s.p2.resize(G);
   s.acc.assign(heads * D, 0.0f);
-  dp::narrow_scaled(qg, a.fscale, heads * D, s.q16.data());
+  const uint16_t *hi = s.q16.data(), *lo = hi + heads * D;
+  dp::split_scaled(qg, a.fscale, heads * D, s.q16.data(), s.q16.data() + heads * D);
   walk(a.kp, [&](int64_t l0, int64_t n, const at::BFloat16* rows) {
     for (int64_t h = 0, j = 0; j < heads; ++h) {
       for (int64_t g = 0; g < G; ++g, ++j)
-        dp::score_rows(s.q16.data() + j * D, rows + h * D, n, row, D, s.scores.data() + j * stride + l0);
+        dp::score_rows(hi + j * D, lo + j * D, rows + h * D, n, row, D, s.scores.data() + j * stride + l0);
     }
   });
   for (int64_t j = 0; j < heads; ++j)
@@ -207,10 +208,10 @@ bool attend_lone(const DecodeArgs<T>& a, int64_t b, int64_t nthreads) {
   // the bf16 dot products: q and the weights as bf16 bits, the outputs in accumulate_slice's lane order, the V walk
   // split by its 32-element slices
   const bool dp = uses_dot_products<T>(D);
-  std::vector<uint16_t> q16(dp ? H * D : 0), p16(dp ? H * stride : 0);
+  std::vector<uint16_t> q16(dp ? 2 * H * D : 0), p16(dp ? H * stride : 0);  // q's hi halves, then its lo halves
   std::vector<float> acc(dp ? H * D : 0);
 #if defined(__AVX512BF16__)
-  if (dp) dp::narrow_scaled(qg, a.fscale, H * D, q16.data());
+  if (dp) dp::split_scaled(qg, a.fscale, H * D, q16.data(), q16.data() + H * D);
 #endif
   // chunks of up to kChunk rows that never cross a block, over rows [l_begin, l_end), as attend's walk
   auto walk = [&](const T* base, int64_t l_begin, int64_t l_end, auto&& visit) {
@@ -230,7 +231,8 @@ bool attend_lone(const DecodeArgs<T>& a, int64_t b, int64_t nthreads) {
            if constexpr (std::is_same_v<T, at::BFloat16>) {
              if (dp) {
                for (int64_t j = 0; j < H; ++j)
-                 dp::score_rows(q16.data() + j * D, rows + (j / G) * D, n, row, D, scores.data() + j * stride + l0);
+                 dp::score_rows(q16.data() + j * D, q16.data() + (H + j) * D, rows + (j / G) * D, n, row, D,
+                                scores.data() + j * stride + l0);
                return;
              }
            }
