@@ -88,8 +88,8 @@ namespace dp = pagoda::decode_bf16;
 #endif
 
 #if defined(__AVX512BF16__)
-// `attend`'s passes with the bf16 dot products: q (scaled) split into two bf16 halves, the weights rounded to bf16, the
-// in accumulate_slice's lane order and put back in place by the normalisation.
+// `attend`'s passes with the bf16 dot products: q (scaled) split into two bf16 halves, the weights rounded to bf16,
+// the outputs accumulated in accumulate_slice's lane order and put back in place by the normalisation.
 template <typename Walk>
 void attend_dp(const DecodeArgs<at::BFloat16>& a, int64_t L, const float* qg, float* og, int64_t heads,
                int64_t stride, const Walk& walk, Scratch& s) {
@@ -138,7 +138,7 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, Scratch& 
   s.inv_sum.resize(heads);
   s.p.resize(G);
   s.o.resize(G);
-  const bool dp = uses_dot_products<T>(D);
+  const bool dots = uses_dot_products<T>(D);
   const int32_t* table = a.tables + b * a.max_blocks;
   const bool whole_rows = (h1 - h0) * D == row;
   // The walk: chunks of up to kChunk rows that never cross a block; `base` + the chunk's first row.
@@ -155,7 +155,7 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, Scratch& 
   };
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (dp) return attend_dp(a, L, qg, og, heads, stride, walk, s);
+    if (dots) return attend_dp(a, L, qg, og, heads, stride, walk, s);
   }
 #endif
   // Pass 1: scores[j][l] = scale * q_j . k_l for every query head j of the item.
@@ -207,11 +207,11 @@ bool attend_lone(const DecodeArgs<T>& a, int64_t b, int64_t nthreads) {
   float* og = a.op + b * H * D;
   // the bf16 dot products: q and the weights as bf16 bits, the outputs in accumulate_slice's lane order, the V walk
   // split by its 32-element slices
-  const bool dp = uses_dot_products<T>(D);
-  std::vector<uint16_t> q16(dp ? 2 * H * D : 0), p16(dp ? H * stride : 0);  // q's hi halves, then its lo halves
-  std::vector<float> acc(dp ? H * D : 0);
+  const bool dots = uses_dot_products<T>(D);
+  std::vector<uint16_t> q16(dots ? 2 * H * D : 0), p16(dots ? H * stride : 0);  // q's hi halves, then its lo halves
+  std::vector<float> acc(dots ? H * D : 0);
 #if defined(__AVX512BF16__)
-  if (dp) dp::split_scaled(qg, a.fscale, H * D, q16.data(), q16.data() + H * D);
+  if (dots) dp::split_scaled(qg, a.fscale, H * D, q16.data(), q16.data() + H * D);
 #endif
   // chunks of up to kChunk rows that never cross a block, over rows [l_begin, l_end), as attend's walk
   auto walk = [&](const T* base, int64_t l_begin, int64_t l_end, auto&& visit) {
@@ -229,7 +229,7 @@ bool attend_lone(const DecodeArgs<T>& a, int64_t b, int64_t nthreads) {
            touch_rows(rows, n, row, row);
 #if defined(__AVX512BF16__)
            if constexpr (std::is_same_v<T, at::BFloat16>) {
-             if (dp) {
+             if (dots) {
                for (int64_t j = 0; j < H; ++j)
                  dp::score_rows(q16.data() + j * D, q16.data() + (H + j) * D, rows + (j / G) * D, n, row, D,
                                 scores.data() + j * stride + l0);
@@ -243,7 +243,7 @@ bool attend_lone(const DecodeArgs<T>& a, int64_t b, int64_t nthreads) {
 #pragma omp barrier
     for (int64_t j = w; j < H; j += nw) {
 #if defined(__AVX512BF16__)
-      if (dp) {
+      if (dots) {
         inv_sum[j] = dp::softmax_row(scores.data() + j * stride, L, p16.data() + j * stride);
         continue;
       }
@@ -253,7 +253,7 @@ bool attend_lone(const DecodeArgs<T>& a, int64_t b, int64_t nthreads) {
 #pragma omp barrier
 #if defined(__AVX512BF16__)
     if constexpr (std::is_same_v<T, at::BFloat16>) {
-      if (dp) {
+      if (dots) {
         const int64_t slices = D / dp::kSlice, s0 = w * slices / nw, s1 = (w + 1) * slices / nw;
         std::vector<const uint16_t*> p(G);
         std::vector<float*> o(G);
@@ -273,7 +273,7 @@ bool attend_lone(const DecodeArgs<T>& a, int64_t b, int64_t nthreads) {
     }
 #endif
     const int64_t c0 = w * vectors / nw, c1 = (w + 1) * vectors / nw;
-    if (c1 > c0 && !dp) {
+    if (c1 > c0 && !dots) {
       std::vector<const float*> p(G);
       std::vector<float*> o(G), shifted(G);
       for (int64_t j = 0; j < H; ++j) std::fill(og + j * D + 16 * c0, og + j * D + 16 * c1, 0.0f);
