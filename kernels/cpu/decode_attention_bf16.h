@@ -1,11 +1,11 @@
 // Decode attention's arithmetic over a bf16 KV cache with AVX-512 BF16 dot products (`vdpbf16ps`: two bf16
 // products per fp32 lane, fp32 accumulation), used by paged_attention.cpp where the compiler targets them and
-// head_dim is a multiple of 32.
+// head_dim is a multiple of 32 up to 128.
 //
 // Why: over a bf16 cache the fp32 helpers (decode_attention_simd.h) widen every K element once per query head of
 // its group (3x for SmolLM2's 9 / 3 heads) and every V element once, then run one FMA per 16 multiply-adds; with the
-// rows in L1 after the touch that compute, not DRAM, was most of a 64-row step's attention. vdpbf16ps does 32
-// multiply-adds per instruction on the cache's bits as they are:
+// rows in L1 after the touch, that compute was about half of a quiet 64-row step's attention (benchmarks.md, "CPU
+// decode attention"). vdpbf16ps does 32 multiply-adds per instruction on the cache's bits as they are:
 //   score_t = sum_i (hi2[i] . k_t[2i : 2i + 2]     q scaled and split once per work item into two bf16 halves,
 //                    + lo2[i] . k_t[2i : 2i + 2])  hi = bf16(q) and lo = bf16(q - hi) (~16 of q's 24 bits); a K
 //                                                  row is 64 bytes of pairs per vector, used by both halves; 16
