@@ -22,6 +22,7 @@ _SOURCES = [
     Path(__file__).with_name(name)
     for name in (
         "paged_attention.cpp",
+        "store_kv.cpp",
         "prefill_attention.cpp",
         "fused_ops.cpp",
         "panel_linear.cpp",
@@ -32,7 +33,17 @@ _SOURCES = [
         "decode_int8.cpp",
     )
 ]
-_HEADERS = [Path(__file__).with_name(name) for name in ("ops.h", "int8_a16.h", "prefill_f32.h", "prefill_bf16.h")]
+_HEADERS = [
+    Path(__file__).with_name(name)
+    for name in (
+        "ops.h",
+        "int8_a16.h",
+        "decode_attention_simd.h",
+        "decode_attention_bf16.h",
+        "prefill_f32.h",
+        "prefill_bf16.h",
+    )
+]
 _NAME = "pagoda_cpu_kernels"
 _lock = threading.Lock()
 _loaded: bool | None = None
@@ -139,6 +150,12 @@ def prefill_bf16_dot_products() -> bool:
     """Whether prefill attention over a bf16 cache (even head_dim) runs AVX-512 BF16 dot products (q and the softmax
     weights rounded to bf16) rather than the float32 kernel over the widened values."""
     return bool(torch.ops.pagoda_cpu.prefill_bf16_dot_products())
+
+
+def decode_bf16_dot_products(head_dim: int) -> bool:
+    """Whether decode attention over a bf16 cache at this head_dim runs AVX-512 BF16 dot products (q and the softmax
+    weights rounded to bf16) rather than the float32 kernel over the widened values."""
+    return bool(torch.ops.pagoda_cpu.decode_bf16_dot_products(head_dim))
 
 
 def store_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

@@ -1,8 +1,8 @@
 """A bf16 KV cache in the native CPU kernels (kv_cache_dtype="bfloat16"): store_kv rounds each K/V to bf16 as torch
-does; decode attention over it is the float32 kernel over the same values widened to fp32 (the widening is exact and
-every product and sum stays fp32; the compiler may order a portable dot product's partial sums differently per
-element type, hence float32 ulps, not bits); prefill attention runs AVX-512 BF16 dot products where the CPU has them
-(q and the softmax weights rounded to bf16, stated bounds below), else the float32 kernel over the widened values."""
+does; decode and prefill attention over it run AVX-512 BF16 dot products where the CPU has them (q and the softmax
+weights rounded to bf16, stated bounds below), else the float32 kernel over the same values widened to fp32 (the
+widening is exact and every product and sum stays fp32; the compiler may order a portable dot product's partial sums
+differently per element type, hence float32 ulps, not bits)."""
 
 from __future__ import annotations
 
@@ -44,23 +44,60 @@ def test_store_kv_rounds_to_bf16_as_torch_does_and_skips_padding() -> None:
     assert not flat[:, [s for s in range(32) if s not in written]].any()  # the padding row wrote nothing
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 80])
-@pytest.mark.parametrize("group", [1, 3])
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_decode_over_a_bf16_cache_is_the_float32_kernel_over_its_values(
-    head_dim: int, group: int, block_size: int
+def _assert_bf16_decode(
+    got: torch.Tensor, q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, scale: float
 ) -> None:
-    # 64 and 128: the vector path (bf16 widened in registers); 80: the portable one
-    lens = [0, 1, 15, 16, 17, 100, 250]
+    """`got` against the float64 attention over the bf16 cache's values, with the bounds of the path that ran: with
+    AVX-512 BF16 (head_dim a multiple of 32, up to 128) up to the rounding of each softmax weight to bf16 (relative
+    2^-9, the normalising sum adding the rounded weights: at most 2 * 2^-9 * max|v|; q's two bf16 halves keep ~16
+    bits, ~2^-17); otherwise the float32 kernel over the widened values (float32 ulps: a portable dot product's
+    partial sums may be ordered differently per element type)."""
+    k, v = cache[0].double(), cache[1].double()
+    exact = ref_decode_attention(q.double(), k, v, tables, lens, scale).double()
+    if not cpu_kernels.decode_bf16_dot_products(q.shape[-1]):
+        same_values = cpu_kernels.paged_decode_attention(q, cache.float(), tables, lens, scale)
+        torch.testing.assert_close(got, same_values, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(got.double(), exact, atol=2**-8 * v.abs().max().item(), rtol=0)
+    # on average a fraction of a bf16 ulp of the outputs (~1.8e-4 measured; q rounded to bf16 alone gave ~3e-4)
+    assert (got.double() - exact).abs().mean() < 2.5e-4
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 32, 80])
+@pytest.mark.parametrize("group", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_decode_over_a_bf16_cache(head_dim: int, group: int, block_size: int) -> None:
+    # 64, 128 and 32: the dot products where the CPU has them (16 rows per register of scores, V rows interleaved in
+    # pairs; blocks of 1 token cut every chunk to one row, an odd row out); 80: the float32 kernel over the widened
+    # values. Lengths: empty, odd, one chunk, one past it, across blocks with a partial tail.
+    lens = [0, 1, 15, 16, 17, 31, 33, 100, 250]
     cache, tables = _bf16_cache(lens, block_size, 3, head_dim, seed=head_dim + group)
     q = torch.randn(len(lens), 3 * group, head_dim, generator=torch.Generator().manual_seed(7))
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     scale = head_dim**-0.5
     got = cpu_kernels.paged_decode_attention(q, cache, tables, seq_lens, scale)
-    same_values = cpu_kernels.paged_decode_attention(q, cache.float(), tables, seq_lens, scale)
-    torch.testing.assert_close(got, same_values, atol=1e-6, rtol=1e-6)
-    want = ref_decode_attention(q.double(), cache[0].double(), cache[1].double(), tables, seq_lens, scale)
-    torch.testing.assert_close(got.double(), want.double(), atol=1e-5, rtol=1e-5)
+    _assert_bf16_decode(got, q, cache, tables, seq_lens, scale)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("lens", [[300, 17, 64, 5], [190], [1001]])
+def test_decode_over_a_bf16_cache_the_same_bits_for_any_thread_count(head_dim: int, lens: list[int]) -> None:
+    # several sequences: whole-sequence work items at 1 thread, one KV head per item at 3; a lone sequence: one item
+    # at 1 thread, the shared walks (K by token ranges, V by 32-element slices of head_dim) at 2 and 3
+    cache, tables = _bf16_cache(lens, 16, 3, head_dim, seed=len(lens))
+    q = torch.randn(len(lens), 9, head_dim, generator=torch.Generator().manual_seed(11))
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            results.append(cpu_kernels.paged_decode_attention(q, cache, tables, seq_lens, head_dim**-0.5))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
+    _assert_bf16_decode(results[0], q, cache, tables, seq_lens, head_dim**-0.5)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 80, 40, 8, 9])
@@ -139,9 +176,8 @@ def test_the_cpu_backend_writes_and_reads_a_bf16_cache() -> None:
     got = backend.forward(q, k, v, cache, meta)
     flat = cache.view(2, -1, kv_heads, d)
     assert torch.equal(flat[0, slots], k.bfloat16()) and torch.equal(flat[1, slots], v.bfloat16())
-    m, c = meta, cache.double()
-    want = ref_decode_attention(q[:1].double(), c[0], c[1], m.decode_block_tables, m.decode_seq_lens, d**-0.5)
-    torch.testing.assert_close(got[:1].double(), want.double(), atol=1e-5, rtol=1e-5)
+    m = meta
+    _assert_bf16_decode(got[:1], q[:1], cache, m.decode_block_tables, m.decode_seq_lens, d**-0.5)
     _assert_bf16_prefill(
         got[1:], q[1:], cache, m.prefill_block_tables, m.prefill_seq_lens, m.prefill_query_start_loc, d**-0.5
     )
