@@ -14,10 +14,15 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable
 
+from engine_core.core.request import Request
 from engine_core.core.seq_output import SeqOutput
+from engine_core.sampling_params import SamplingParams
 from services.common.timeutil import monotonic_to_ns
 from services.convert.outputs import seq_output_to_proto
+from services.frontend.slow_clients import SendWatchdog
 from services.rpc import common_pb2, scheduler_pb2
+from services.scheduler.request_events import RequestEvent
+from services.scheduler.server import SchedulerServicer, _Stream
 
 N = 20_000
 OUT = SeqOutput(request_id="r", index=0, new_token_ids=[1234])
@@ -34,8 +39,14 @@ def every_field() -> scheduler_pb2.SubmitResponse:
     return scheduler_pb2.SubmitResponse(outputs=[seq_output_to_proto(OUT)], trace=TRACE, timestamps=ts)
 
 
+STREAM = _Stream(Request("r", [1], SamplingParams()), STAMPS, TRACE, owner="", span=None)
+EVENT = RequestEvent("r", outputs=[OUT], times=(T0, T0, None))
+STREAM.sent_times = EVENT.times  # an earlier message carried these times
+
+
 def outputs_only() -> scheduler_pb2.SubmitResponse:
-    return scheduler_pb2.SubmitResponse(outputs=[seq_output_to_proto(OUT)])
+    """The message as the scheduler builds it now (`SchedulerServicer._message`): a token whose times did not change."""
+    return SchedulerServicer._message(STREAM, EVENT)
 
 
 def per_op_us(f: Callable[[], object], n: int = N) -> float:
@@ -54,7 +65,6 @@ async def per_op_us_async(f: Callable[[], Awaitable[None]], n: int = N) -> float
 
 async def sends_and_waits() -> None:
     loop = asyncio.get_running_loop()
-    sending_since: float | None = None
     event = asyncio.Event()
 
     async def send() -> None:  # a send that completes at once, as uvicorn's does while its buffer has room
@@ -63,14 +73,6 @@ async def sends_and_waits() -> None:
     async def timeout_per_send() -> None:
         async with asyncio.timeout(30):
             await send()
-
-    async def watchdog_send() -> None:  # SendWatchdog.send
-        nonlocal sending_since
-        sending_since = loop.time()
-        try:
-            await send()
-        finally:
-            sending_since = None
 
     async def wait_for() -> None:
         with contextlib.suppress(TimeoutError):
@@ -81,13 +83,18 @@ async def sends_and_waits() -> None:
             async with asyncio.timeout_at(loop.time()):
                 await event.wait()
 
-    pairs = [
-        ("send under --stream-send-timeout", timeout_per_send, watchdog_send, N),
-        ("KV-event watch wait", wait_for, timeout_at, 2_000),
-    ]
-    for name, old, new, n in pairs:
-        rounds = [(await per_op_us_async(old, n), await per_op_us_async(new, n)) for _ in range(3)]
-        print(f"{name}: {min(r[0] for r in rounds):.2f} -> {min(r[1] for r in rounds):.2f} us")
+    async with SendWatchdog(30, "r") as watchdog:
+
+        async def watchdog_send() -> None:
+            await watchdog.send(send())
+
+        pairs = [
+            ("send under --stream-send-timeout", timeout_per_send, watchdog_send, N),
+            ("KV-event watch wait", wait_for, timeout_at, 2_000),
+        ]
+        for name, old, new, n in pairs:
+            rounds = [(await per_op_us_async(old, n), await per_op_us_async(new, n)) for _ in range(3)]
+            print(f"{name}: {min(r[0] for r in rounds):.2f} -> {min(r[1] for r in rounds):.2f} us")
 
 
 def main() -> None:

@@ -146,7 +146,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if event.error:
             msg.error, msg.error_code = event.error, event.error_code
         # NOTE: the timestamps only on the messages where a time changed (~3 per request), not on every token's
-        # message (building and serializing a token's message: 4.6 -> 2.6 µs; docs/benchmarks.md).
+        # message (building and serializing a token's message: 4.7 -> 3.1 µs; docs/benchmarks.md).
         if event.times != stream.sent_times or event.finished:
             stream.sent_times = event.times
             ts = msg.timestamps
