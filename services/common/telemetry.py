@@ -35,7 +35,8 @@ TRACER_NAME = "pagoda"
 # gRPC services and methods that are never traced (probes and scrapes).
 _HEALTH = "grpc.health.v1.Health"
 _REFLECTION_PREFIX = "grpc.reflection."
-_UNTRACED_METHODS = ("Stats",)
+# NOTE: `Stream` carries many requests for the process's lifetime: each request gets its own spans instead.
+_UNTRACED_METHODS = ("Stats", "Stream")
 
 
 def add_tracing_flags(parser: argparse.ArgumentParser) -> None:

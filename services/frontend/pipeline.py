@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import grpc
 import structlog
-from opentelemetry import trace as otel_trace
 
 from engine_core.io.output_processor import OutputProcessor, StopMatch
 from engine_core.io.request_output import RequestOutput
@@ -45,6 +44,7 @@ from services.frontend.request import (
 )
 from services.frontend.router import RoutedCall, SchedulerRouter
 from services.frontend.scheduler_client import SchedulerClient, rpc_error
+from services.frontend.scheduler_stream import StreamCall
 from services.frontend.tokenization import PromptTokenizer
 from services.frontend.tracing import RequestSpan, operation_name, request_attributes
 from services.rpc import common_pb2, scheduler_pb2
@@ -188,7 +188,7 @@ class RequestPipeline:
 
     # ---- streaming ----------------------------------------------------------------------------------------------
     async def stream(self, req: PreparedRequest) -> AsyncIterator[StreamEvent]:
-        """Streams one request. Closing the iterator early (client gone) cancels the scheduler stream, which
+        """Streams one request. Closing the iterator early (client gone) cancels it on the scheduler stream, which
         aborts the request there."""
         rid = req.request_id
         key = scoped_request_id(req.tenant, rid)  # the output processor's and the scheduler's id
@@ -198,7 +198,7 @@ class RequestPipeline:
                 req.span.finish(rid, None, len(req.prompt_token_ids), err.code.value, err.message)
             raise err
         self.active.add(key)
-        call: RoutedCall | grpc.aio.UnaryStreamCall | None = None
+        call: RoutedCall | StreamCall | None = None
         output: RequestOutput | None = None
         span = req.span
         done = False
@@ -220,13 +220,12 @@ class RequestPipeline:
             )
             output = self.processor.requests[key].output
             if span is None:
-                # NOTE: tracing off: the client's context travels on unchanged (as message field and metadata).
-                call = self.client.submit(self._submit_message(req, req.trace), req.trace.metadata())
+                # NOTE: tracing off: the client's context travels on unchanged.
+                call = self.client.submit(self._submit_message(req, req.trace))
             else:
-                # NOTE: the scheduler's parent is this frontend's request span (the client span of the call, which
-                # the interceptor injects as metadata, is its child), never the client's header unchanged.
-                with otel_trace.use_span(span.span, end_on_exit=False):
-                    call = self.client.submit(self._submit_message(req, TraceContext.of_span(span.span)), ())
+                # NOTE: the scheduler's parent is this request's call span (the child of the frontend's request
+                # span), never the client's header unchanged.
+                call = self.client.submit(self._submit_message(req, TraceContext.of_span(span.call_span())))
             async for msg in call:
                 t0 = span.detokenize_begin() if span is not None else 0.0
                 step = self.processor.process([seq_output_from_proto(key, o) for o in msg.outputs])
@@ -269,10 +268,6 @@ class RequestPipeline:
                     break
             if not done:
                 raise RequestError(ErrorCode.INTERNAL, "the scheduler ended the stream before the request finished")
-            # NOTE: read on to the stream's end (the scheduler closes it right after the final message) so the call
-            # completes instead of being cancelled: the tracing interceptor ends its client span only then.
-            async for _ in call:
-                pass
         except grpc.aio.AioRpcError as e:
             err = rpc_error(e)
             error_type = err.code.value

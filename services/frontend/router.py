@@ -23,6 +23,7 @@ from services.frontend.replica import Replica
 from services.frontend.replica_discovery import ReplicaSource, resolve
 from services.frontend.routing_policy import ReplicaView, RoutingPolicy
 from services.frontend.scheduler_stats import sum_stats
+from services.frontend.scheduler_stream import StreamCall
 from services.rpc import common_pb2, scheduler_pb2
 
 log = structlog.get_logger(__name__)
@@ -35,21 +36,16 @@ def unavailable(details: str) -> grpc.aio.AioRpcError:
 
 
 class RoutedCall:
-    """One Submit stream on the replica the router chose; re-placed on another while none admitted it yet."""
+    """One request on the replica the router chose (its `StreamCall` there); re-placed on another while none
+    admitted it yet."""
 
-    def __init__(
-        self,
-        router: SchedulerRouter,
-        request: scheduler_pb2.SubmitRequest,
-        metadata: tuple[tuple[str, str], ...],
-    ) -> None:
+    def __init__(self, router: SchedulerRouter, request: scheduler_pb2.SubmitRequest) -> None:
         self._router = router
         self._request = request
-        self._metadata = metadata or None
         self._key = scoped_request_id(request.owner, request.request_id)
         self._hashes: list[bytes] | None = None
         self._tried: set[str] = set()
-        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._call: StreamCall | None = None
         self.replica: Replica | None = None
         self._admitted = False
         self._cancelled = False
@@ -99,7 +95,7 @@ class RoutedCall:
         self.replica = replica
         replica.routed(hashes)
         router.owners[self._key] = replica
-        self._call = replica.client.submit(self._request, self._metadata or ())
+        self._call = replica.client.submit(self._request)
 
     def _release(self) -> None:
         replica = self.replica
@@ -191,10 +187,10 @@ class SchedulerRouter:
                 raise TimeoutError(f"no scheduler replica served within {timeout:.0f} s")
             await asyncio.sleep(0.2)
 
-    def submit(self, request: scheduler_pb2.SubmitRequest, metadata: tuple[tuple[str, str], ...]) -> RoutedCall:
-        """Places the request now (so the call starts in the caller's trace context); raises UNAVAILABLE (an
-        AioRpcError, as a failed call would) when no replica is ready."""
-        call = RoutedCall(self, request, metadata)
+    def submit(self, request: scheduler_pb2.SubmitRequest) -> RoutedCall:
+        """Places the request now; raises UNAVAILABLE (an AioRpcError, as a failed call would) when no replica is
+        ready."""
+        call = RoutedCall(self, request)
         call.place()
         return call
 

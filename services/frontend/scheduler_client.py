@@ -1,4 +1,4 @@
-"""The frontend's connection to the scheduler (one HTTP/2 channel; one stream per request)."""
+"""The frontend's connection to the scheduler: one HTTP/2 channel, and on it one `Stream` call for all requests."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from services.common.grpc_opts import CHANNEL_OPTIONS
 from services.common.health import wait_serving_async
 from services.common.tls import TlsFiles, aio_channel
 from services.frontend.request import ErrorCode, RequestError
+from services.frontend.scheduler_stream import SchedulerStream, StreamCall
 from services.rpc import SCHEDULER_SERVICE, common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 # gRPC status -> the frontend's error codes (the scheduler's message is passed on unchanged).
@@ -46,15 +47,15 @@ class SchedulerClient:
             options.append(("grpc.ssl_target_name_override", tls_name))
         self.channel = aio_channel(addr, tls or TlsFiles(), options, interceptors)
         self.stub = scheduler_pb2_grpc.SchedulerStub(self.channel)
+        self.stream = SchedulerStream(self.stub)
 
     async def wait_ready(self, timeout: float) -> scheduler_pb2.InfoResponse:
         await wait_serving_async(self.channel, SCHEDULER_SERVICE, timeout=timeout)
         return await self.stub.Info(scheduler_pb2.InfoRequest(), timeout=10.0)
 
-    def submit(
-        self, request: scheduler_pb2.SubmitRequest, metadata: tuple[tuple[str, str], ...]
-    ) -> grpc.aio.UnaryStreamCall:
-        return self.stub.Submit(request, metadata=metadata or None)
+    def submit(self, request: scheduler_pb2.SubmitRequest) -> StreamCall:
+        """Sends the request on the shared `Stream` call (opened now if none is open); never blocks."""
+        return self.stream.submit(request)
 
     async def abort(self, request_id: str, owner: str) -> bool:
         resp = await self.stub.Abort(common_pb2.AbortRequest(request_id=request_id, owner=owner), timeout=10.0)
@@ -70,4 +71,5 @@ class SchedulerClient:
         return await self.stub.Stats(scheduler_pb2.StatsRequest(), timeout=10.0)
 
     async def close(self) -> None:
+        await self.stream.close()
         await self.channel.close()

@@ -19,6 +19,7 @@ from engine_core.sampling_params import SamplingParams
 from services.common.timeutil import perf_counter_to_ns
 
 PROVIDER_NAME = "pagoda"
+SUBMIT_CALL = "/pagoda.v1.Scheduler/Submit"
 
 
 def operation_name(is_chat: bool) -> str:
@@ -58,6 +59,13 @@ class RequestSpan:
         self._detok_last = 0.0
         self._detok_busy = 0.0
         self._detok_calls = 0
+        self._call: Span | None = None
+
+    def call_span(self) -> Span:
+        """The request's call to the scheduler (a CLIENT span, named as the RPC; the scheduler's span is its
+        child). NOTE: the requests share one `Stream` call, so the interceptor's span per call is not theirs."""
+        self._call = self.tracer.start_span(SUBMIT_CALL, context=self.context, kind=SpanKind.CLIENT)
+        return self._call
 
     def tokenize_span(self) -> Span:
         return self.tracer.start_span("tokenize", context=self.context)
@@ -106,4 +114,8 @@ class RequestSpan:
         if error_type is not None:
             span.set_attribute("error.type", error_type)
             span.set_status(Status(StatusCode.ERROR, message or error_type))
+        if self._call is not None:
+            if error_type is not None:
+                self._call.set_status(Status(StatusCode.ERROR, message or error_type))
+            self._call.end()
         span.end()

@@ -13,11 +13,10 @@ from collections.abc import AsyncIterator
 import grpc
 import structlog
 from opentelemetry import trace as otel_trace
-from opentelemetry.trace import Span
+from opentelemetry.trace import Span, Status, StatusCode
 from prometheus_client import CollectorRegistry
 
 from engine_core.core.kv_events import KvEvent
-from engine_core.core.prompt_checks import check_token_ids
 from engine_core.core.request import Request
 from services.common.grpc_opts import SERVER_OPTIONS
 from services.common.health import ServiceHealth
@@ -26,19 +25,24 @@ from services.common.metrics import EngineStatsCollector, serve_metrics, service
 from services.common.request_scope import check_tenant, scoped_request_id
 from services.common.signals import ignore_late_signals, shutdown_event
 from services.common.telemetry import Telemetry, setup_tracing
-from services.common.timeutil import monotonic_to_ns, now_ns
+from services.common.timeutil import now_ns
 from services.common.tls import add_port
 from services.common.trace import TraceContext
-from services.convert.outputs import seq_output_to_proto
-from services.convert.params import params_from_proto
-from services.convert.ranges import check_wire_ranges
 from services.rpc import SCHEDULER_SERVICE, common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.scheduler.admission import Refused, engine_request
 from services.scheduler.config import SchedulerConfig, parse_scheduler_args
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.kv_event_hub import KvEventHub
 from services.scheduler.kv_event_stream import watch_kv_events
-from services.scheduler.request_events import RequestEvent, RequestTimes
-from services.scheduler.tracing import record_request
+from services.scheduler.request_events import RequestEvent
+from services.scheduler.request_streams import (
+    RequestStream,
+    StreamConnection,
+    fill_response,
+    is_small,
+)
+from services.scheduler.stats_messages import kv_load, stats_response
+from services.scheduler.tracing import record_request, request_span
 
 log = structlog.get_logger(__name__)
 
@@ -46,27 +50,9 @@ _STATUS = {
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "INTERNAL": grpc.StatusCode.INTERNAL,
     "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
+    "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-
-
-class _Stream:
-    """One Submit call: its outbox, the timestamps the frontend sent, and (tracing on) its server span."""
-
-    def __init__(
-        self,
-        request: Request,
-        timestamps: common_pb2.RequestTimestamps,
-        trace: common_pb2.TraceContext,
-        owner: str,
-        span: Span | None,
-    ) -> None:
-        self.request = request  # NOTE: events and commands match by this object, so a reused id never mixes
-        self.queue: asyncio.Queue[scheduler_pb2.SubmitResponse] = asyncio.Queue()
-        self.timestamps = timestamps
-        self.trace = trace
-        self.owner = owner  # the tenant that submitted it: its request ids are scoped by it
-        self.span = span
-        self.sent_times: RequestTimes = (None, None, None)  # the times its messages carried so far
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -92,7 +78,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         )
         # NOTE: keyed by the scoped id (tenant/request_id), which is also the engine's request id: two tenants'
         # equal ids are two requests, and an id never answers for another tenant's request.
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, RequestStream] = {}
         self.ready = False
         self.draining = False
         self.failed = asyncio.Event()
@@ -128,103 +114,122 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             stream = self.streams.get(event.request_id)
             if stream is None or (event.request is not None and event.request is not stream.request):
                 continue  # the caller went away (its abort is already queued), or a stale event of a reused id
+            conn = stream.conn
             try:
-                stream.queue.put_nowait(self._message(stream, event))
+                if conn is None:
+                    msg = scheduler_pb2.SubmitResponse()
+                    fill_response(msg, stream, event)
+                    assert stream.queue is not None
+                    stream.queue.put_nowait(msg)
+                elif is_small(event):
+                    fill_response(conn.add(stream.tag), stream, event)
+                else:
+                    msg = scheduler_pb2.SubmitResponse()
+                    fill_response(msg, stream, event)
+                    conn.send(stream.tag, msg)
             except Exception as e:  # NOTE: one request's bad output fails that request alone
                 log.exception("could not convert an event", request_id=event.request_id)
-                stream.queue.put_nowait(
-                    scheduler_pb2.SubmitResponse(finished=True, error=f"bad output: {e}", error_code="INTERNAL")
-                )
-                self.engine.abort(stream.request)
+                failed = scheduler_pb2.SubmitResponse(finished=True, error=f"bad output: {e}", error_code="INTERNAL")
+                if conn is None:
+                    assert stream.queue is not None
+                    stream.queue.put_nowait(failed)
+                else:
+                    conn.send(stream.tag, failed)
+                self._end(stream, abort=True)
+                continue
+            if conn is not None and event.finished:
+                self._end(stream, abort=False, error=event.error if event.error_code else "")
 
-    @staticmethod
-    def _message(stream: _Stream, event: RequestEvent) -> scheduler_pb2.SubmitResponse:
-        msg = scheduler_pb2.SubmitResponse(outputs=[seq_output_to_proto(o) for o in event.outputs])
-        if event.finished:
-            msg.finished = True
-            msg.trace.CopyFrom(stream.trace)
-        if event.error:
-            msg.error, msg.error_code = event.error, event.error_code
-        # NOTE: the timestamps only on the messages where a time changed (~3 per request), not on every token's
-        # message (building and serializing a token's message: 4.7 -> 3.1 µs; docs/benchmarks.md).
-        if event.times != stream.sent_times or event.finished:
-            stream.sent_times = event.times
-            ts = msg.timestamps
-            ts.CopyFrom(stream.timestamps)
-            ts.scheduled_ns, ts.first_token_ns, ts.finished_ns = (monotonic_to_ns(t) for t in event.times)
-        return msg
+    def _end(self, stream: RequestStream, abort: bool, error: str = "") -> None:
+        """A request leaves the scheduler's streams: finished, failed, or its caller went away (`abort`: then its
+        blocks are freed now). Its span, when it has its own (`Stream`), ends here."""
+        rid = stream.request.request_id
+        if self.streams.get(rid) is stream:
+            del self.streams[rid]
+        if abort:
+            self.engine.abort(stream.request)
+        conn = stream.conn
+        if conn is None:
+            return  # NOTE: `Submit`'s span is its call's (the interceptor ends it)
+        if conn.requests.get(stream.tag) is stream:
+            del conn.requests[stream.tag]
+        if stream.span is not None:
+            if not abort and self.telemetry is not None:
+                record_request(self.telemetry.tracer, stream.span, stream.request)
+            if error:
+                stream.span.set_status(Status(StatusCode.ERROR, error))
+            stream.span.end()
+        if conn.closing and not conn.requests:
+            self.loop.call_soon(conn.flush)
 
     # ---- RPCs ---------------------------------------------------------------------------------------------------
-    async def _validate(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext) -> Request:
+    def _admit(self, request: scheduler_pb2.SubmitRequest) -> Request:
+        """The engine request of a valid submission; raises Refused (its status names the field) otherwise."""
         if self.draining or not self.ready or self.engine.info is None:
             why = "draining" if self.draining else "not ready (workers loading)"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"scheduler is {why}")
+            raise Refused("UNAVAILABLE", f"scheduler is {why}")
         info = self.engine.info
-        assert info is not None
         rid = request.request_id
         if not rid:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must not be empty")
+            raise Refused("INVALID_ARGUMENT", "request_id must not be empty")
         try:
             check_tenant(request.owner)
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Refused("INVALID_ARGUMENT", str(e)) from e
         scoped = scoped_request_id(request.owner, rid)
         if scoped in self.streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {rid!r} is already in use")
+            raise Refused("ALREADY_EXISTS", f"request_id {rid!r} is already in use")
         if len(self.streams) >= self.config.max_num_seqs + self.config.max_waiting_requests:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"scheduler queue is full ({len(self.streams)} requests in flight): retry later",
+            raise Refused(
+                "RESOURCE_EXHAUSTED", f"scheduler queue is full ({len(self.streams)} requests in flight): retry later"
             )
         core = self.engine.core
         if core is None:  # stopped between the readiness check and here
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is stopping")
-        assert core is not None
-        try:
-            params = params_from_proto(request.sampling, internal=True)
-            params.validate_vocab(info.vocab_size)
-            check_wire_ranges(params)  # NOTE: seed + n - 1 must fit the step message's int64
-            check_token_ids(request.prompt_token_ids, info.vocab_size)
-            # NOTE: the engine's own admission limits (frozen RequestLimits, so safe from this thread), checked here
-            # so a bad request fails its RPC instead of failing later on the engine thread.
-            core.check_request(len(request.prompt_token_ids), params.n)
-            if params.use_beam_search:
-                width = params.n if params.beam_width is None else params.beam_width
-                core.limits.check_beam(len(request.prompt_token_ids), width, params.max_tokens)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return Request(
-            request_id=scoped,
-            prompt_token_ids=list(request.prompt_token_ids),
-            sampling_params=params,
-            priority=request.priority,
-            cache_salt=request.cache_salt or None,
-            trace_context=TraceContext.from_proto(request.trace).as_dict(),
-        )
+            raise Refused("UNAVAILABLE", "scheduler is stopping")
+        return engine_request(request, scoped, info.vocab_size, core)
+
+    def _start(
+        self,
+        request: scheduler_pb2.SubmitRequest,
+        engine_request: Request,
+        span: Span | None,
+        conn: StreamConnection | None = None,
+    ) -> scheduler_pb2.SubmitResponse:
+        """Queues an admitted request; returns its first message (empty: "admitted")."""
+        ts = common_pb2.RequestTimestamps()
+        ts.CopyFrom(request.timestamps)
+        ts.queued_ns = now_ns()
+        if span is not None:
+            # NOTE: the request's server span becomes its context, which the step spans link to and the worker
+            # receives.
+            tc = TraceContext.of_span(span)
+            if tc.traceparent:
+                engine_request.trace_context = tc.as_dict()
+        stream = RequestStream(engine_request, ts, request.trace, request.owner, span, conn, request.tag)
+        self.streams[engine_request.request_id] = stream
+        if conn is not None:
+            conn.requests[request.tag] = stream
+        self.engine.add(engine_request)
+        # NOTE: an empty first message says "admitted": the frontend can answer HTTP 200 (or fail with 429/503
+        # before any byte of the stream) without waiting for the first token.
+        return scheduler_pb2.SubmitResponse(trace=request.trace, timestamps=ts)
 
     async def Submit(
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.SubmitResponse]:
-        engine_request = await self._validate(request, context)
+        try:
+            engine_request = self._admit(request)
+        except Refused as e:
+            await context.abort(_STATUS[e.code], e.message)
         rid = engine_request.request_id  # scoped: tenant/request_id
-        ts = common_pb2.RequestTimestamps()
-        ts.CopyFrom(request.timestamps)
-        ts.queued_ns = now_ns()
-        span = None
-        if self.telemetry is not None:
-            # NOTE: the interceptor's server span (child of the frontend's call) is current here; it becomes the
-            # request's context, which the step spans link to and the worker receives.
-            span = otel_trace.get_current_span()
-            tc = TraceContext.of_span(span)
-            if tc.traceparent:
-                engine_request.trace_context = tc.as_dict()
-        stream = self.streams[rid] = _Stream(engine_request, ts, request.trace, request.owner, span)
-        self.engine.add(engine_request)
+        # NOTE: the interceptor's server span (child of the frontend's call) is current here.
+        span = otel_trace.get_current_span() if self.telemetry is not None else None
+        admitted = self._start(request, engine_request, span)
+        stream = self.streams[rid]
+        assert stream.queue is not None
         finished = False
         try:
-            # NOTE: an empty first message says "admitted": the frontend can answer HTTP 200 (or fail with 429/503
-            # before any byte of the stream) without waiting for the first token.
-            yield scheduler_pb2.SubmitResponse(trace=request.trace, timestamps=ts)
+            yield admitted
             while not finished:
                 msg = await stream.queue.get()
                 finished = msg.finished
@@ -236,11 +241,55 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     await context.abort(_STATUS.get(msg.error_code, grpc.StatusCode.INTERNAL), msg.error)
                 yield msg
         finally:
-            if self.streams.get(rid) is stream:
-                del self.streams[rid]
-            if not finished:
-                # NOTE: the caller cancelled (or its frontend died): free the request's blocks now.
-                self.engine.abort(engine_request)
+            # NOTE: not finished: the caller cancelled (or its frontend died): its blocks are freed now.
+            self._end(stream, abort=not finished)
+
+    async def Stream(
+        self, request_iterator: AsyncIterator[scheduler_pb2.StreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.StreamResponse]:
+        conn = StreamConnection(self.loop)
+        reader = asyncio.ensure_future(self._read_stream(conn, request_iterator))
+        try:
+            while (response := await conn.outbox.get()) is not None:
+                yield response
+        finally:
+            reader.cancel()
+            # NOTE: the frontend went away (or closed): every request it still had is aborted, its blocks freed.
+            for stream in list(conn.requests.values()):
+                self._end(stream, abort=True)
+
+    async def _read_stream(
+        self, conn: StreamConnection, request_iterator: AsyncIterator[scheduler_pb2.StreamRequest]
+    ) -> None:
+        try:
+            async for message in request_iterator:
+                if message.HasField("submit"):
+                    self._open(conn, message.submit)
+                else:
+                    stream = conn.requests.get(message.cancel)
+                    if stream is not None:
+                        self._end(stream, abort=True)
+        finally:
+            conn.closing = True
+            conn.flush()
+
+    def _open(self, conn: StreamConnection, request: scheduler_pb2.SubmitRequest) -> None:
+        """One submission on a `Stream`: admitted, or refused with its status (one request never fails another)."""
+        try:
+            if request.tag in conn.requests:
+                raise Refused("INVALID_ARGUMENT", f"tag {request.tag} is already in use on this stream")
+            engine_request = self._admit(request)
+            span = None
+            if self.telemetry is not None:
+                # NOTE: the request's own server span, named as `Submit`'s: its parent is the frontend's call span
+                # (SubmitRequest.trace), so a request stays one trace across the three processes.
+                span = request_span(self.telemetry.tracer, TraceContext.from_proto(request.trace))
+            conn.send(request.tag, self._start(request, engine_request, span, conn))
+        except Refused as e:
+            conn.send(request.tag, scheduler_pb2.SubmitResponse(finished=True, error=e.message, error_code=e.code))
+        except Exception as e:  # NOTE: a bug in one submission fails that request alone, not the stream
+            log.exception("could not admit a request", request_id=request.request_id)
+            conn.send(request.tag, scheduler_pb2.SubmitResponse(finished=True, error=str(e), error_code="INTERNAL"))
 
     async def Abort(
         self, request: common_pb2.AbortRequest, context: grpc.aio.ServicerContext
@@ -274,35 +323,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def stats_response(self) -> scheduler_pb2.StatsResponse:
         """The Stats RPC's answer; also what the scheduler's /metrics reads (from the metrics server's thread)."""
-        s = self.engine.stats
-        e = s.engine
-        return scheduler_pb2.StatsResponse(
-            running=e.running,
-            waiting=e.waiting,
-            num_requests=e.num_requests,
-            free_blocks=e.free_blocks,
-            total_blocks=e.total_blocks,
-            kv_usage=e.kv_usage,
-            prefix_cache_hit_rate=e.prefix_cache_hits / e.prefix_cache_queries if e.prefix_cache_queries else 0.0,
-            prefix_cache_queries=e.prefix_cache_queries,
-            prefix_cache_hits=e.prefix_cache_hits,
-            preemptions=e.preemptions,
-            prefix_cache_evictions=e.prefix_cache_evictions,
-            steps=s.steps,
-            draining=self.draining,
-            step_seconds=s.step_seconds,
-            worker_seconds=s.worker_seconds,
-            running_requests=e.running_requests,
-            waiting_requests=e.waiting_requests,
-            spec_decode_num_drafts=e.spec_decode_num_drafts,
-            spec_decode_num_draft_tokens=e.spec_decode_num_draft_tokens,
-            spec_decode_num_accepted_tokens=e.spec_decode_num_accepted_tokens,
-            spec_decode_num_accepted_tokens_per_pos=list(e.spec_decode_num_accepted_tokens_per_pos),
-            beam_search_requests=e.beam_search_requests,
-            beam_search_beams_forked=e.beam_search_beams_forked,
-            beam_search_beams_pruned=e.beam_search_beams_pruned,
-            beam_search_live_beams=e.beam_search_live_beams,
-        )
+        return stats_response(self.engine.stats, self.draining)
 
     async def WatchKvEvents(
         self, request: scheduler_pb2.WatchKvEventsRequest, context: grpc.aio.ServicerContext
@@ -311,16 +332,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             yield batch
 
     def _load(self) -> scheduler_pb2.KvLoad:
-        e = self.engine.stats.engine
-        return scheduler_pb2.KvLoad(
-            running=e.running,
-            waiting=e.waiting,
-            kv_usage=e.kv_usage,
-            running_requests=e.running_requests,
-            waiting_requests=e.waiting_requests,
-            free_blocks=e.free_blocks,
-            total_blocks=e.total_blocks,
-        )
+        return kv_load(self.engine.stats.engine)
 
     async def Info(
         self, request: scheduler_pb2.InfoRequest, context: grpc.aio.ServicerContext

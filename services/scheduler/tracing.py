@@ -29,6 +29,17 @@ MAX_STEP_SPANS_PER_SECOND = 20.0
 MAX_STEP_LINKS = 32
 
 
+SUBMIT_SPAN = "/pagoda.v1.Scheduler/Submit"  # a request's server span, on `Submit` (the interceptor's) or `Stream`
+
+
+def request_span(tracer: trace.Tracer, parent: TraceContext) -> Span:
+    """A `Stream` request's own server span (a `Submit` call's is the interceptor's), named as `Submit`'s: its
+    parent is the frontend's call span (SubmitRequest.trace), so a request stays one trace across the processes."""
+    remote = span_context_of(parent)
+    context = trace.set_span_in_context(trace.NonRecordingSpan(remote)) if remote is not None else None
+    return tracer.start_span(SUBMIT_SPAN, context=context, kind=SpanKind.SERVER)
+
+
 def record_request(tracer: trace.Tracer, span: Span, request: Request) -> None:
     """Children, events and attributes of a finished request's `Submit` span, from the engine's timestamps."""
     if not span.is_recording():
