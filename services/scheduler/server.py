@@ -276,7 +276,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _open(self, conn: StreamConnection, request: scheduler_pb2.SubmitRequest) -> None:
         """One submission on a `Stream`: admitted, or refused with its status (one request never fails another)."""
         try:
-            if request.tag in conn.requests:
+            running = conn.requests.get(request.tag)
+            if running is not None:
+                # NOTE: the caller lost track of its tags: the tag's request ends too (aborted), so both sides agree
+                # that the tag is free after this one refusal.
+                self._end(running, abort=True)
                 raise Refused("INVALID_ARGUMENT", f"tag {request.tag} is already in use on this stream")
             engine_request = self._admit(request)
             span = None
