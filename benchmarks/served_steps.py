@@ -64,16 +64,22 @@ def thread_cpu(pids: list[int]) -> dict[int, ThreadCpu]:
     return out
 
 
-def print_threads(before: dict[int, ThreadCpu], after: dict[int, ThreadCpu], min_cpu_s: float = 0.05) -> None:
+def cpu_by_process(before: dict[int, ThreadCpu], after: dict[int, ThreadCpu]) -> dict[str, float]:
     roles: dict[str, float] = {}
     for tid, t in after.items():
         b = before.get(tid, ThreadCpu(t.role, t.name, 0.0, 0, 0))
+        roles[t.role] = roles.get(t.role, 0.0) + t.cpu_s - b.cpu_s
+    return roles
+
+
+def print_threads(before: dict[int, ThreadCpu], after: dict[int, ThreadCpu], min_cpu_s: float = 0.05) -> None:
+    for tid, t in after.items():
+        b = before.get(tid, ThreadCpu(t.role, t.name, 0.0, 0, 0))
         cpu = t.cpu_s - b.cpu_s
-        roles[t.role] = roles.get(t.role, 0.0) + cpu
         if cpu >= min_cpu_s:
             print(f"  {t.role:20s} {t.name:14s} cpu {cpu:7.2f} s  switches: voluntary {t.voluntary - b.voluntary:6d}"
                   f"  involuntary {t.involuntary - b.involuntary:6d}")  # fmt: skip
-    print("  CPU s by process:", {k: round(v, 2) for k, v in roles.items()})
+    print("  CPU s by process:", {k: round(v, 2) for k, v in cpu_by_process(before, after).items()})
 
 
 def step_metrics(port: int) -> dict[str, float]:
@@ -112,7 +118,7 @@ async def served(args: argparse.Namespace, wl: Workload) -> None:
         m1, t1, me1 = step_metrics(args.metrics_port + 1), thread_cpu(pids), sum(psutil.Process().cpu_times()[:2])
         rss_end = worker.memory_info().rss
         await asyncio.sleep(args.idle_s)
-        rss_idle = worker.memory_info().rss
+        rss_idle, t2 = worker.memory_info().rss, thread_cpu(pids)
         level = summarize("pagoda", f"c={len(wl.prompts)}", records, wall)
         assert level.output_tokens == wl.output_tokens, level.output_tokens
         d = {k: m1[k] - m0.get(k, 0.0) for k in STEP_METRICS}
@@ -120,6 +126,14 @@ async def served(args: argparse.Namespace, wl: Workload) -> None:
         print_threads(t0, t1)
         print(f"  benchmark client CPU {me1 - me0:.2f} s; worker RSS {rss_end / MIB:.0f} MiB when the load ended, "
               f"{rss_idle / MIB:.0f} MiB {args.idle_s:g} s later")  # fmt: skip
+        # NOTE: what a process spends per second with no request (health checks, the KV-event watch, gRPC's
+        # pollers) grows a load's CPU with its wall; on a shared machine the walls differ several-fold, so the load's
+        # own CPU is the process's less that rate times the wall.
+        idle = cpu_by_process(t1, t2)
+        load = cpu_by_process(t0, t1)
+        net = {k: round(v - idle.get(k, 0.0) / args.idle_s * wall, 2) for k, v in load.items()}
+        print(f"  idle CPU s per second: { {k: round(v / args.idle_s, 4) for k, v in idle.items()} }")
+        print(f"  CPU s by process less the idle rate x wall: {net}")
     finally:
         await backend.close()
         child.stop()
