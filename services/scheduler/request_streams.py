@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
+import structlog
 from opentelemetry.trace import Span
 
 from engine_core.core.request import Request
@@ -16,6 +17,8 @@ from services.common.timeutil import monotonic_to_ns
 from services.convert.outputs import seq_output_to_proto
 from services.rpc import common_pb2, scheduler_pb2
 from services.scheduler.request_events import RequestEvent, RequestTimes
+
+log = structlog.get_logger(__name__)
 
 # NOTE: the gRPC message limit is 64 MiB (grpc_opts); one request's message stays under it as on `Submit`, and a
 # `StreamResponse` is cut after ~4 MiB so that many requests' large outputs (prompt logprobs, a finished beam
@@ -49,6 +52,38 @@ class RequestStream:
         self.owner = owner  # the tenant that submitted it: its request ids are scoped by it
         self.span = span
         self.sent_times: RequestTimes = (None, None, None)  # the times its messages carried so far
+
+    def send(self, event: RequestEvent) -> bool:
+        """Queues the event's message where this request's messages go. False: it could not be built, and the
+        request's message is its failure (INTERNAL) instead; the caller aborts it."""
+        conn = self.conn
+        entry = None  # its entry in the connection's response being gathered
+        try:
+            if conn is not None and is_small(event):
+                entry = conn.add(self.tag)
+                fill_response(entry, self, event)
+                return True
+            msg = scheduler_pb2.SubmitResponse()
+            fill_response(msg, self, event)
+        except Exception as e:
+            log.exception("could not convert an event", request_id=event.request_id)
+            failed = scheduler_pb2.SubmitResponse(finished=True, error=f"bad output: {e}", error_code="INTERNAL")
+            if entry is not None:  # NOTE: replaces the half-built entry: the request reads its failure only
+                entry.Clear()
+                entry.MergeFrom(failed)
+                entry.tag = self.tag
+            else:
+                self._put(failed)
+            return False
+        self._put(msg)
+        return True
+
+    def _put(self, msg: scheduler_pb2.SubmitResponse) -> None:
+        if self.conn is not None:
+            self.conn.send(self.tag, msg)
+        else:
+            assert self.queue is not None
+            self.queue.put_nowait(msg)
 
 
 def fill_response(msg: scheduler_pb2.SubmitResponse, stream: RequestStream, event: RequestEvent) -> None:

@@ -35,12 +35,7 @@ from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.kv_event_hub import KvEventHub
 from services.scheduler.kv_event_stream import watch_kv_events
 from services.scheduler.request_events import RequestEvent
-from services.scheduler.request_streams import (
-    RequestStream,
-    StreamConnection,
-    fill_response,
-    is_small,
-)
+from services.scheduler.request_streams import RequestStream, StreamConnection
 from services.scheduler.stats_messages import kv_load, stats_response
 from services.scheduler.tracing import record_request, request_span
 
@@ -115,26 +110,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if stream is None or (event.request is not None and event.request is not stream.request):
                 continue  # the caller went away (its abort is already queued), or a stale event of a reused id
             conn = stream.conn
-            try:
-                if conn is None:
-                    msg = scheduler_pb2.SubmitResponse()
-                    fill_response(msg, stream, event)
-                    assert stream.queue is not None
-                    stream.queue.put_nowait(msg)
-                elif is_small(event):
-                    fill_response(conn.add(stream.tag), stream, event)
-                else:
-                    msg = scheduler_pb2.SubmitResponse()
-                    fill_response(msg, stream, event)
-                    conn.send(stream.tag, msg)
-            except Exception as e:  # NOTE: one request's bad output fails that request alone
-                log.exception("could not convert an event", request_id=event.request_id)
-                failed = scheduler_pb2.SubmitResponse(finished=True, error=f"bad output: {e}", error_code="INTERNAL")
-                if conn is None:
-                    assert stream.queue is not None
-                    stream.queue.put_nowait(failed)
-                else:
-                    conn.send(stream.tag, failed)
+            if not stream.send(event):  # NOTE: one request's bad output fails that request alone
                 self._end(stream, abort=True)
                 continue
             if conn is not None and event.finished:
