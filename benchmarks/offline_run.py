@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -34,6 +36,15 @@ class WorkloadResult:
     seconds: float
     total_tok_s: float
     output_tok_s: float
+    # NOTE: this process's cost over the workload, so that runs whose tok/s differ can be told apart on a shared
+    # machine: CPU seconds (user: the compute threads, spinning included; sys: mostly page faults), minor faults
+    # (first writes to fresh KV pages), switches away while runnable (neighbours), the load average at the end.
+    # vLLM's engine core runs in a child process, not counted here.
+    cpu_user_s: float
+    cpu_sys_s: float
+    minor_faults: int
+    involuntary_switches: int
+    load_average: float
 
 
 @dataclass
@@ -101,13 +112,24 @@ ENGINES = {"pagoda": pagoda_engine, "vllm": vllm_engine, "transformers": transfo
 
 
 def run_workload(generate: Generate, wl: Workload) -> WorkloadResult:
-    t0 = time.perf_counter()
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     produced = generate(wl.prompts, wl.output_lens)
-    dt = time.perf_counter() - t0
+    dt, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_SELF)
     if produced != wl.output_tokens:
         raise RuntimeError(f"{wl.name}: expected {wl.output_tokens} output tokens, got {produced}")
     return WorkloadResult(
-        wl.name, len(wl.prompts), wl.prompt_tokens, wl.output_tokens, dt, wl.total_tokens / dt, wl.output_tokens / dt
+        wl.name,
+        len(wl.prompts),
+        wl.prompt_tokens,
+        wl.output_tokens,
+        dt,
+        wl.total_tokens / dt,
+        wl.output_tokens / dt,
+        cpu_user_s=r1.ru_utime - r0.ru_utime,
+        cpu_sys_s=r1.ru_stime - r0.ru_stime,
+        minor_faults=r1.ru_minflt - r0.ru_minflt,
+        involuntary_switches=r1.ru_nivcsw - r0.ru_nivcsw,
+        load_average=os.getloadavg()[0],
     )
 
 

@@ -5,7 +5,8 @@
 // SDPA's flash kernel is overhead-bound at one query row (~13 GFLOP/s here). This kernel reads each K/V row once:
 // a work item (a sequence and a range of its KV heads) walks the sequence's K rows in chunks of up to 16 tokens,
 // scoring every query head of the range against each chunk while it is in L1, then a softmax, then the same walk
-// over V. Built at first use by kernels/cpu/__init__.py.
+// over V, asking for the next block's rows into L2 while it works on the current one (prefetch_l2). Built at first use
+// by kernels/cpu/__init__.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -100,7 +101,7 @@ void attend_dp(const DecodeArgs<at::BFloat16>& a, int64_t L, const float* qg, fl
   s.acc.assign(heads * D, 0.0f);
   const uint16_t *hi = s.q16.data(), *lo = hi + heads * D;
   dp::split_scaled(qg, a.fscale, heads * D, s.q16.data(), s.q16.data() + heads * D);
-  walk(a.kp, [&](int64_t l0, int64_t n, const at::BFloat16* rows) {
+  walk(a.kp, a.vp, [&](int64_t l0, int64_t n, const at::BFloat16* rows) {
     for (int64_t h = 0, j = 0; j < heads; ++h) {
       for (int64_t g = 0; g < G; ++g, ++j)
         dp::score_rows(hi + j * D, lo + j * D, rows + h * D, n, row, D, s.scores.data() + j * stride + l0);
@@ -108,7 +109,7 @@ void attend_dp(const DecodeArgs<at::BFloat16>& a, int64_t L, const float* qg, fl
   });
   for (int64_t j = 0; j < heads; ++j)
     s.inv_sum[j] = dp::softmax_row(s.scores.data() + j * stride, L, s.p16.data() + j * stride);
-  walk(a.vp, [&](int64_t l0, int64_t n, const at::BFloat16* rows) {
+  walk(a.vp, nullptr, [&](int64_t l0, int64_t n, const at::BFloat16* rows) {
     for (int64_t h = 0; h * G < heads; ++h) {
       for (int64_t c = 0; c < slices; ++c) {
         for (int64_t g = 0; g < G; ++g) {
@@ -141,14 +142,23 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, Scratch& 
   const bool dots = uses_dot_products<T>(D);
   const int32_t* table = a.tables + b * a.max_blocks;
   const bool whole_rows = (h1 - h0) * D == row;
-  // The walk: chunks of up to kChunk rows that never cross a block; `base` + the chunk's first row.
-  auto walk = [&](const T* base, auto&& visit) {
+  const int64_t blocks = (L + BS - 1) / BS;
+  // The walk: chunks of up to kChunk rows that never cross a block; `base` + the chunk's first row. `next`: the
+  // cache whose walk follows this one (the K walk's: V), whose first blocks are prefetched as this one ends.
+  auto walk = [&](const T* base, const T* next, auto&& visit) {
     for (int64_t l0 = 0; l0 < L;) {
       const int64_t block = table[l0 / BS];
       TORCH_CHECK(block >= 0 && block < a.num_blocks, "paged_decode_attention: block id out of range");
       const int64_t n = std::min({kChunk, L - l0, BS - l0 % BS});
       const T* rows = base + (block * BS + l0 % BS) * row + h0 * D;
-      if (whole_rows) touch_rows(rows, n, row, row);
+      if (whole_rows) {
+        // the block kPrefetchBlocks ahead in this walk, or past its end the first blocks of the walk that follows
+        const int64_t ahead = l0 / BS + kPrefetchBlocks, pb = ahead < blocks ? ahead : ahead - blocks;
+        const T* pbase = ahead < blocks ? base : next;
+        if (l0 % BS == 0 && pbase != nullptr && pb < blocks && table[pb] >= 0 && table[pb] < a.num_blocks)
+          prefetch_l2(pbase + table[pb] * BS * row, std::min(BS, L - pb * BS) * row);
+        touch_rows(rows, n, row, row);
+      }
       visit(l0, n, rows);
       l0 += n;
     }
@@ -159,13 +169,13 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, Scratch& 
   }
 #endif
   // Pass 1: scores[j][l] = scale * q_j . k_l for every query head j of the item.
-  walk(a.kp, [&](int64_t l0, int64_t n, const T* rows) {
+  walk(a.kp, a.vp, [&](int64_t l0, int64_t n, const T* rows) {
     for (int64_t j = 0; j < heads; ++j)
       score_rows(qg + j * D, rows + (j / G) * D, n, row, D, a.fscale, s.scores.data() + j * stride + l0);
   });
   for (int64_t j = 0; j < heads; ++j) s.inv_sum[j] = softmax_row(s.scores.data() + j * stride, L);
   // Pass 2: out_j = sum_l p[j][l] * v_l, each KV head's V rows shared by its G query heads.
-  walk(a.vp, [&](int64_t l0, int64_t n, const T* rows) {
+  walk(a.vp, nullptr, [&](int64_t l0, int64_t n, const T* rows) {
     for (int64_t h = 0; h < h1 - h0; ++h) {
       for (int64_t g = 0; g < G; ++g) {
         s.p[g] = s.scores.data() + (h * G + g) * stride + l0;

@@ -107,6 +107,38 @@ def test_random_batches(
     _run(seq_lens, block_size, kv_heads, group, head_dim, seed=seed, strided_q=seed % 2 == 1)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_prefetching_walk_reads_only_each_sequences_blocks(dtype: torch.dtype, threads: int) -> None:
+    # Whole-sequence work items (8 sequences >= 2 per thread) prefetch the next block of their K walk and, past its
+    # end, the V walk's first blocks. Every table entry past a sequence's blocks points at a NaN block, and the last
+    # block of each sequence is partly NaN past its length: a walk (or a prefetch turned into a read) that strays
+    # past the sequence's rows poisons its output.
+    bs, lens = 16, [1, 15, 16, 17, 35, 48, 64, 130]
+    gen = torch.Generator().manual_seed(3)
+    cache, tables = make_cpu_paged_cache(lens, bs, 3, 64, gen)
+    ref_tables = tables.clone()  # entries past each sequence's blocks: -1
+    poison = min(set(range(cache.shape[1])) - set(tables[tables >= 0].tolist()))  # one of the 3 spare blocks
+    cache[:, poison] = float("nan")
+    for i, n in enumerate(lens):
+        tables[i, -(-n // bs) :] = poison
+        cache[:, tables[i, (n - 1) // bs], n % bs if n % bs else bs :] = float("nan")
+    cache = cache.to(dtype)
+    q = torch.randn(len(lens), 9, 64, generator=gen)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = cpu_kernels.paged_decode_attention(q, cache, tables, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(saved)
+    clean = cache.double().nan_to_num(0.0)
+    want = ref_decode_attention(q.double(), clean[0], clean[1], ref_tables, seq_lens, 0.125)
+    assert torch.isfinite(got).all()
+    tol = 1e-5 if dtype == torch.float32 else 2**-8 * clean[1].abs().max().item()
+    torch.testing.assert_close(got.double(), want.double(), atol=tol, rtol=0 if dtype == torch.bfloat16 else 1e-5)
+
+
 def test_bad_inputs_are_rejected() -> None:
     cache = torch.zeros(2, 2, 4, 1, 64)
     q = torch.randn(1, 2, 64)
