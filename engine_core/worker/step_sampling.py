@@ -15,7 +15,7 @@ import structlog
 import torch
 
 from engine_core.plan import LogprobsTensors
-from engine_core.sample.sampler import FAILED_TOKEN, Sampler, SamplerOutput, compute_logprobs
+from engine_core.sample.sampler import FAILED_TOKEN, Sampler, SamplerOutput, compute_logprobs, fail_unsampleable
 from engine_core.sample.sampling_batch import SamplingBatch, SamplingMetadata
 
 log = structlog.get_logger(__name__)
@@ -57,6 +57,19 @@ def sample_step(
         host = tokens.cpu().numpy()
         sampling.append_tokens(seq_ids, tokens, host)
         result = StepSample(host, sampled.logprobs)
+    return _fail_unsampled(result, seq_ids)
+
+
+def picked_step(sampling: SamplingBatch, tokens: torch.Tensor, row_max: torch.Tensor, seq_ids: list[int]) -> StepSample:
+    """An all-greedy step whose tokens the LM head picked (worker/head_step.py): each row's first maximal logit, and
+    the row failed where that maximum is not finite, as the sampler's greedy path."""
+    tokens = fail_unsampleable(tokens, row_max)
+    host = tokens.numpy()
+    sampling.append_tokens(seq_ids, tokens, host)
+    return _fail_unsampled(StepSample(host, None), seq_ids)
+
+
+def _fail_unsampled(result: StepSample, seq_ids: list[int]) -> StepSample:
     for i in np.flatnonzero(result.tokens == FAILED_TOKEN):
         result.errors.setdefault(seq_ids[i], UNSAMPLEABLE)
     return result
