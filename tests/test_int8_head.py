@@ -92,7 +92,7 @@ def test_fused_head_gives_the_unfused_tokens(int8_llm: LLM, monkeypatch: pytest.
 def test_the_fused_pick_takes_the_lowest_tied_index_and_fails_a_nonfinite_row_alone(int8_llm: LLM) -> None:
     """The kernel directly, two rows split over two threads: the pick is the first maximum of the head's own logits
     (row_argmax's), also when a lower channel ties the winner across the threads' shares; a row with an inf in its
-    hidden state has NaN logits and a NaN maximum, so `picked_step` fails it and keeps the other."""
+    hidden state has NaN logits, a NaN maximum and FAILED_TOKEN, so `picked_step` fails it and keeps the other."""
     runner = int8_llm.core.executor
     step = runner.decode_step
     assert isinstance(step, NativeDecodeStep) and step.head is not None
@@ -120,7 +120,7 @@ def test_the_fused_pick_takes_the_lowest_tied_index_and_fails_a_nonfinite_row_al
         row_max, tokens = cpu_kernels.decode_int8_head(h.clone(), *inputs, greedy=True)
         assert torch.isnan(logits[0]).all() and torch.isnan(row_max[0])
         want_max, want = row_argmax(logits[1:])
-        assert tokens[1] == want[0] and row_max[1] == want_max[0]
+        assert tokens[0] == FAILED_TOKEN and tokens[1] == want[0] and row_max[1] == want_max[0]
         winner = int(want[0])
         assert 3 < winner < VOCAB - 5
         # channels 3 (the first thread's share) and VOCAB - 5 (the second's) now tie the winner
@@ -137,7 +137,7 @@ def test_the_fused_pick_takes_the_lowest_tied_index_and_fails_a_nonfinite_row_al
     sampling = SamplingBatch(VOCAB, "cpu", 4)
     for seq_id in (10, 11):
         sampling.add(seq_id, SamplingParams(temperature=0), None, [1, 2], [])
-    result = picked_step(sampling, tokens, row_max, [10, 11])
+    result = picked_step(sampling, tokens, [10, 11])
     assert result.tokens.tolist() == [FAILED_TOKEN, 3] and result.errors == {10: UNSAMPLEABLE}
 
 

@@ -28,7 +28,8 @@ from kernels import cpu as cpu_kernels
 @dataclass
 class HeadOutput:
     """What `NativeDecodeStep.with_head` returns: the logits [rows, vocab], or with `greedy` each row's largest logit
-    (NaN where a logit is NaN) and its first index."""
+    (NaN where a logit is NaN) and its first index, FAILED_TOKEN where that maximum is not finite (the sampler's
+    greedy rule)."""
 
     logits: torch.Tensor | None
     row_max: torch.Tensor | None

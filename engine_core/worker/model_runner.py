@@ -327,8 +327,8 @@ class ModelRunner:
             return out
         # None on a rank other than 0, and where the fused head picked the tokens
         logits = self.model.compute_logits(hidden[last_token]) if hidden is not None else fused and fused.logits
-        if fused is not None and fused.tokens is not None and fused.row_max is not None:
-            sampled = picked_step(self.sampling, fused.tokens, fused.row_max, sample_seq_ids)
+        if fused is not None and fused.tokens is not None:
+            sampled = picked_step(self.sampling, fused.tokens, sample_seq_ids)
         else:
             sampled = sample_on_driver(
                 self.tp,

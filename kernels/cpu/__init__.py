@@ -365,7 +365,8 @@ def decode_int8_head(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`decode_layers` for int8 weight-only layers (every projection's `int8_codes` set), then the final norm and the
     LM head in the same parallel region (kernels/cpu/decode_int8.cpp). Returns (logits [B, vocab], an empty tensor),
-    or with `greedy` (each row's largest logit [B], NaN where any logit is NaN; its first index [B] int64)."""
+    or with `greedy` (each row's largest logit [B], NaN where any logit is NaN; its first index [B] int64, -1 where
+    that maximum is not finite: the sampler's FAILED_TOKEN)."""
     return torch.ops.pagoda_cpu.decode_int8_head(
         h,
         cos,

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <tuple>
 #include <utility>
@@ -84,7 +85,7 @@ struct Head {
 
 // Every thread: its share of the LM head (the logits, or the per-row maximum); then a barrier; with greedy one
 // thread reduces the shares into row_max / tokens [B] (ties: the lowest index, as a share's lower channels come
-// first; a NaN anywhere makes the row's maximum NaN, which the sampler's check fails).
+// first; a NaN anywhere makes the row's maximum NaN; a row whose maximum is not finite gets token -1).
 void run_head(const Head& head, const A16Rows& q, int64_t B, float* row_max, int64_t* tokens) {
   const int t = omp_get_thread_num(), T = omp_get_num_threads();
   const Product& p = head.p;
@@ -115,7 +116,10 @@ void run_head(const Head& head, const A16Rows& q, int64_t B, float* row_max, int
       if (head.index[i] >= 0 && (at < 0 || head.best[i] > m)) m = head.best[i], at = head.index[i];
     }
     row_max[r] = any_nan ? std::numeric_limits<float>::quiet_NaN() : m;
-    tokens[r] = std::max<int64_t>(at, 0);
+    // NOTE: the sampler's FAILED_TOKEN (-1) where the maximum is not finite (its fail_unsampleable), here rather
+    // than in torch ops: the code stream has evicted the interpreter's and torch's state from the caches, and each
+    // op after the step ran ~20x its warm time (~150 us for that check, measured in the engine)
+    tokens[r] = std::isfinite(row_max[r]) ? at : -1;
   }
 }
 
@@ -254,7 +258,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_int8(at::Tensor h, const at::Te
 
 // The layers as decode_layers_int8, then the final norm and the LM head (codes / scales: the layers' 4 per layer,
 // then the head's). Returns (logits [B, V], an empty int64 tensor), or with `greedy` (each row's largest logit [B],
-// NaN where a logit is NaN; its first index [B] int64).
+// NaN where a logit is NaN; its first index [B] int64, -1 where that maximum is not finite).
 std::tuple<at::Tensor, at::Tensor> decode_int8_head(at::Tensor h, const at::Tensor& cos, const at::Tensor& sin,
                                                     at::TensorList kv_caches, const at::Tensor& slot_mapping,
                                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
