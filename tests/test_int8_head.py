@@ -92,18 +92,21 @@ def test_fused_head_gives_the_unfused_tokens(int8_llm: LLM, monkeypatch: pytest.
 def test_the_fused_pick_takes_the_lowest_tied_index_and_fails_a_nonfinite_row_alone(int8_llm: LLM) -> None:
     """The kernel directly, two rows split over two threads: the pick is the first maximum of the head's own logits
     (row_argmax's), also when a lower channel ties the winner across the threads' shares; a row with an inf in its
-    hidden state has NaN logits, a NaN maximum and FAILED_TOKEN, so `picked_step` fails it and keeps the other."""
+    hidden state has NaN logits, a NaN maximum and FAILED_TOKEN, so `picked_step` fails it and keeps the other; an
+    input id outside the embedding table is refused by name."""
     runner = int8_llm.core.executor
     step = runner.decode_step
     assert isinstance(step, NativeDecodeStep) and step.head is not None
     hidden = runner.model.norm.weight.numel()
-    h = torch.randn(2, hidden, generator=torch.Generator().manual_seed(1))
-    h[0, hidden // 3] = float("inf")
-    cos, sin = runner.model.rotary.lookup(torch.tensor([0, 0]), torch.float32)
+    embedding = torch.randn(2, hidden, generator=torch.Generator().manual_seed(1))  # the two rows' own table
+    embedding[0, hidden // 3] = float("inf")
     block = int8_llm.core.config.block_size
     inputs = (
-        cos.view(2, -1),
-        sin.view(2, -1),
+        torch.tensor([0, 1]),
+        torch.tensor([0, 0]),
+        embedding,
+        runner.model.rotary.cos,
+        runner.model.rotary.sin,
         runner.kv_caches,
         torch.tensor([0, block], dtype=torch.int64),
         torch.tensor([[0], [1]], dtype=torch.int32),
@@ -116,8 +119,8 @@ def test_the_fused_pick_takes_the_lowest_tied_index_and_fails_a_nonfinite_row_al
     codes, scale = step.head.codes, step.head.scale
     saved = {tie: (codes[tie].clone(), scale[tie].clone()) for tie in (3, VOCAB - 5)}
     try:
-        logits, _ = cpu_kernels.decode_int8_head(h.clone(), *inputs, greedy=False)
-        row_max, tokens = cpu_kernels.decode_int8_head(h.clone(), *inputs, greedy=True)
+        logits, _ = cpu_kernels.decode_int8_head(*inputs, greedy=False)
+        row_max, tokens = cpu_kernels.decode_int8_head(*inputs, greedy=True)
         assert torch.isnan(logits[0]).all() and torch.isnan(row_max[0])
         want_max, want = row_argmax(logits[1:])
         assert tokens[0] == FAILED_TOKEN and tokens[1] == want[0] and row_max[1] == want_max[0]
@@ -126,14 +129,16 @@ def test_the_fused_pick_takes_the_lowest_tied_index_and_fails_a_nonfinite_row_al
         # channels 3 (the first thread's share) and VOCAB - 5 (the second's) now tie the winner
         for tie in (3, VOCAB - 5):
             codes[tie], scale[tie] = codes[winner], scale[winner]
-        logits, _ = cpu_kernels.decode_int8_head(h.clone(), *inputs, greedy=False)
-        row_max, tokens = cpu_kernels.decode_int8_head(h.clone(), *inputs, greedy=True)
+        logits, _ = cpu_kernels.decode_int8_head(*inputs, greedy=False)
+        row_max, tokens = cpu_kernels.decode_int8_head(*inputs, greedy=True)
         assert logits[1, 3] == logits[1, VOCAB - 5] == logits[1, winner] == row_max[1]
         assert tokens[1] == 3 == row_argmax(logits[1:])[1][0]
     finally:
         for tie, (c, sc) in saved.items():
             codes[tie], scale[tie] = c, sc
         torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match=r"input_ids 2 is outside \[0, 2\)"):  # checked before any work
+        cpu_kernels.decode_int8_head(torch.tensor([0, 2]), *inputs[1:], greedy=True)
     sampling = SamplingBatch(VOCAB, "cpu", 4)
     for seq_id in (10, 11):
         sampling.add(seq_id, SamplingParams(temperature=0), None, [1, 2], [])

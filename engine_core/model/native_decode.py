@@ -21,7 +21,7 @@ from engine_core.attention.backend import AttentionMetadata
 from engine_core.model.layers.cpu_forms import CpuWeightForms
 from engine_core.model.layers.cpu_gemm_rows import NEVER
 from engine_core.model.layers.linear import Linear
-from engine_core.model.llama import LlamaForCausalLM
+from engine_core.model.llama import Embedding, LlamaForCausalLM
 from kernels import cpu as cpu_kernels
 
 
@@ -120,13 +120,13 @@ class NativeDecodeStep:
         `model.compute_logits(self(...))`'s; with `greedy` only each row's maximum logit and its first index."""
         assert self.head is not None
         model = self.model
-        h = model.embed_tokens(input_ids)
-        cos, sin = model.rotary.lookup(positions, h.dtype)
-        t = h.shape[0]
+        # NOTE: the embedding and rotary rows are gathered in the call (`embed_tokens` is a plain float32 table here)
         first, tokens = cpu_kernels.decode_int8_head(
-            h,
-            cos.view(t, -1),
-            sin.view(t, -1),
+            input_ids,
+            positions,
+            model.embed_tokens.weight,
+            model.rotary.cos,
+            model.rotary.sin,
             kv_caches,
             meta.slot_mapping,
             meta.decode_block_tables,
@@ -142,17 +142,22 @@ class NativeDecodeStep:
 
 def _int8_head(model: LlamaForCausalLM, forms: list[CpuWeightForms]) -> cpu_kernels.Int8Head | None:
     """The LM head for `decode_int8_head`, where every projection and the head are int8 codes without a bias on the
-    head, the final norm is the layers' (its eps), and the build runs the int8 step; else None."""
+    head, the final norm is the layers' (its eps), the embedding a float32 table, and the build runs the int8 step;
+    else None."""
     head = model.lm_head
     head_forms = head.cpu_forms if isinstance(head, Linear) and head.bias is None else None
     if head_forms is None or head_forms.int8 is None or any(f.int8 is None for f in forms):
         return None
-    if model.norm.eps != model.layers[0].input_layernorm.eps:
+    if model.norm.eps != model.layers[0].input_layernorm.eps or not _plain_float32(model.embed_tokens):
         return None
     max_k = max(f.int8.codes.shape[1] for f in [*forms, head_forms] if f.int8 is not None)
     if not cpu_kernels.decode_int8_supported(max_k):
         return None
     return cpu_kernels.Int8Head(model.norm.weight.detach(), head_forms.int8.codes, head_forms.int8.scale)
+
+
+def _plain_float32(embedding: torch.nn.Module) -> bool:
+    return isinstance(embedding, Embedding) and embedding.weight.dtype == torch.float32
 
 
 def _cpu_forms(layer: Linear) -> CpuWeightForms:

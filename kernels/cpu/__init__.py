@@ -352,9 +352,11 @@ class Int8Head:
 
 
 def decode_int8_head(
-    h: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
+    input_ids: torch.Tensor,  # [B] the step's tokens
+    positions: torch.Tensor,  # [B]
+    embedding: torch.Tensor,  # [vocab, hidden] float32: the rows of input_ids
+    cos_table: torch.Tensor,  # [max_positions, head_dim] float32: the rows of positions
+    sin_table: torch.Tensor,
     kv_caches: list[torch.Tensor],
     slot_mapping: torch.Tensor,
     block_tables: torch.Tensor,
@@ -363,14 +365,17 @@ def decode_int8_head(
     head: Int8Head,
     greedy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`decode_layers` for int8 weight-only layers (every projection's `int8_codes` set), then the final norm and the
-    LM head in the same parallel region (kernels/cpu/decode_int8.cpp). Returns (logits [B, vocab], an empty tensor),
-    or with `greedy` (each row's largest logit [B], NaN where any logit is NaN; its first index [B] int64, -1 where
-    that maximum is not finite: the sampler's FAILED_TOKEN)."""
+    """`decode_layers` for int8 weight-only layers (every projection's `int8_codes` set), from the embedding and
+    rotary rows (gathered in the call), then the final norm and the LM head in the same parallel region
+    (kernels/cpu/decode_int8.cpp). Returns (logits [B, vocab], an empty tensor), or with `greedy` (each row's largest
+    logit [B], NaN where any logit is NaN; its first index [B] int64, -1 where that maximum is not finite: the
+    sampler's FAILED_TOKEN)."""
     return torch.ops.pagoda_cpu.decode_int8_head(
-        h,
-        cos,
-        sin,
+        input_ids,
+        positions,
+        embedding,
+        cos_table,
+        sin_table,
         kv_caches,
         slot_mapping,
         block_tables,
