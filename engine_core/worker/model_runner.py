@@ -320,7 +320,7 @@ class ModelRunner:
         hidden = step(input_ids, positions, self.kv_caches, meta) if fused is None else None
         timings.sample_start = time.perf_counter()
         out = ModelRunnerOutput()
-        if self._prompt_logprob_seqs and hidden is not None:  # NOTE: always, such steps run unfused
+        if self._prompt_logprob_seqs and hidden is not None:  # NOTE: fused_head leaves such steps unfused
             out.prompt_logprobs = prompt_logprobs(self.model, self.batch, inputs, hidden, self.device)
         if not len(sample_idx):
             self.batch.advance(inputs, sample_idx, sample_idx)
