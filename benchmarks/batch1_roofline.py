@@ -7,6 +7,8 @@ see the same machine load. The floor is `resident weight bytes / bandwidth` (eve
 attention's few KB of K/V and the one embedding row are left out); the target for int8 and bf16 is <= 1.2x it.
 
     PYTHONPATH=$PWD python benchmarks/batch1_roofline.py [--formats float32,bfloat16,int8] [--rounds 3]
+
+`--formats int8,int8-unfused-head` runs the int8 model twice, the second with its LM head as its own call.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offline_run import batch1  # the same batch-1 measurement as the side-by-side's
 
 FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+# NOTE: the same int8 engine with its LM head as its own call (worker/head_step.py off), for an A/B in one process
+UNFUSED_HEAD = "int8-unfused-head"
 
 
 def read_bandwidth_gbs(buffer: torch.Tensor, repeats: int = 5) -> float:
@@ -43,12 +47,15 @@ def main() -> None:
 
     from engine_core import LLM, SamplingParams
     from engine_core.model.layers.linear import Linear
+    from engine_core.model.native_decode import NativeDecodeStep
 
     torch.set_num_threads(args.threads)
     engines = {}
     for name in args.formats.split(","):
-        llm = LLM(kv_cache_memory=0.25, num_threads=args.threads, **FORMATS[name])
+        llm = LLM(kv_cache_memory=0.25, num_threads=args.threads, **FORMATS["int8" if name == UNFUSED_HEAD else name])
         model = llm.core.executor.model
+        if name == UNFUSED_HEAD and isinstance(llm.core.executor.decode_step, NativeDecodeStep):
+            llm.core.executor.decode_step.head = None
         weight_bytes = sum(m.resident_bytes() for m in model.modules() if isinstance(m, Linear))
 
         def generate(prompts: list[list[int]], lens: list[int], llm: LLM = llm) -> int:

@@ -12,7 +12,7 @@ with `--threads 2` it also counts the main thread's OpenMP spinning at the end o
 CPU columns at `--threads 1`, the wall columns on a quiet machine.
 
     PYTHONPATH=$PWD:$PWD/benchmarks python benchmarks/batch1_split.py [--quantization int8] [--dtype bfloat16]
-        [--threads 2] [--tokens 128] [--rounds 3]
+        [--threads 2] [--tokens 128] [--rounds 3] [--unfused-head]
 """
 
 from __future__ import annotations
@@ -71,10 +71,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=BATCH1_TOKENS)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--unfused-head", action="store_true", help="the LM head as its own call (int8: head_step.py)")
     args = ap.parse_args()
 
     import engine_core.worker.model_runner as model_runner
     from engine_core import LLM, SamplingParams
+    from engine_core.model.native_decode import NativeDecodeStep
     from kernels import cpu as cpu_kernels
 
     torch.set_num_threads(args.threads)
@@ -84,6 +86,8 @@ def main() -> None:
     if not isinstance(runner, model_runner.ModelRunner):
         raise SystemExit("needs the in-process model runner (tensor_parallel_size=1)")
     model = runner.model
+    if args.unfused_head and isinstance(runner.decode_step, NativeDecodeStep):
+        runner.decode_step.head = None
     timers = Timers()
     # NOTE: wrapped where the caller looks the name up (module globals, instance attributes), so no engine code
     # changes; execute() first, so that its parts nest inside it.
@@ -97,9 +101,11 @@ def main() -> None:
         (model.embed_tokens, "forward", "    embedding"),
         (model.rotary, "lookup", "    rotary cos/sin lookup"),
         (cpu_kernels, "decode_layers", "    native decode step (30 layers)"),
+        (cpu_kernels, "decode_int8_head", "    native step + LM head (+ pick)"),
         (model.norm, "forward", "    final norm"),
         (model, "compute_logits", "    LM head"),
         (model_runner, "sample_on_driver", "    sampling (+ host copy)"),
+        (model_runner, "picked_step", "    fused pick's tokens (host copy)"),
         (runner.batch, "advance", "    input batch advance"),
     ]:
         timers.wrap(owner, attr, name)

@@ -5,9 +5,15 @@ The model has one forward (the layer loop); how a step runs is the model runner'
 layer objects: each projection's weight forms and row thresholds are its `Linear`'s (`CpuWeightForms`), so its
 outputs match the layer loop's and a weight format is added in one place. It serves only steps where every row is a
 decode.
+
+An all-int8 model (weight-only at the step's rows) can also run its final norm and LM head inside the native call
+(`with_head`: kernels/cpu/decode_int8.cpp), and there pick each row's greedy token without writing the logits; the
+runner chooses that per step (worker/head_step.py).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,8 +21,19 @@ from engine_core.attention.backend import AttentionMetadata
 from engine_core.model.layers.cpu_forms import CpuWeightForms
 from engine_core.model.layers.cpu_gemm_rows import NEVER
 from engine_core.model.layers.linear import Linear
-from engine_core.model.llama import LlamaForCausalLM
+from engine_core.model.llama import Embedding, LlamaForCausalLM
 from kernels import cpu as cpu_kernels
+
+
+@dataclass
+class HeadOutput:
+    """What `NativeDecodeStep.with_head` returns: the logits [rows, vocab], or with `greedy` each row's largest logit
+    (NaN where a logit is NaN) and its first index, FAILED_TOKEN where that maximum is not finite (the sampler's
+    greedy rule)."""
+
+    logits: torch.Tensor | None
+    row_max: torch.Tensor | None
+    tokens: torch.Tensor | None
 
 
 class NativeDecodeStep:
@@ -61,6 +78,7 @@ class NativeDecodeStep:
             large_m=rows.large_m,
             w8a8_m=w8a8_m,
         )
+        self.head = _int8_head(model, forms)
 
     def __call__(
         self,
@@ -85,6 +103,61 @@ class NativeDecodeStep:
         )
         h, _ = model.norm(h, residual)
         return h
+
+    def fuses_head(self, rows: int) -> bool:
+        """Whether a decode-only step of `rows` rows can run the LM head inside the native call (`with_head`)."""
+        return self.head is not None and 0 < rows < self.weights.w8a8_m
+
+    def with_head(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+        greedy: bool,
+    ) -> HeadOutput:
+        """The step (where `fuses_head`) through the final norm and the LM head: the logits of every row, bitwise
+        `model.compute_logits(self(...))`'s; with `greedy` only each row's maximum logit and its first index."""
+        assert self.head is not None
+        model = self.model
+        # NOTE: the embedding and rotary rows are gathered in the call (`embed_tokens` is a plain float32 table here)
+        first, tokens = cpu_kernels.decode_int8_head(
+            input_ids,
+            positions,
+            model.embed_tokens.weight,
+            model.rotary.cos,
+            model.rotary.sin,
+            kv_caches,
+            meta.slot_mapping,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            self.weights,
+            self.head,
+            greedy,
+        )
+        if greedy:
+            return HeadOutput(None, first, tokens)
+        return HeadOutput(first, None, None)
+
+
+def _int8_head(model: LlamaForCausalLM, forms: list[CpuWeightForms]) -> cpu_kernels.Int8Head | None:
+    """The LM head for `decode_int8_head`, where every projection and the head are int8 codes without a bias on the
+    head, the final norm is the layers' (its eps), the embedding a float32 table, and the build runs the int8 step;
+    else None."""
+    head = model.lm_head
+    head_forms = head.cpu_forms if isinstance(head, Linear) and head.bias is None else None
+    if head_forms is None or head_forms.int8 is None or any(f.int8 is None for f in forms):
+        return None
+    if model.norm.eps != model.layers[0].input_layernorm.eps or not _plain_float32(model.embed_tokens):
+        return None
+    max_k = max(f.int8.codes.shape[1] for f in [*forms, head_forms] if f.int8 is not None)
+    if not cpu_kernels.decode_int8_supported(max_k):
+        return None
+    return cpu_kernels.Int8Head(model.norm.weight.detach(), head_forms.int8.codes, head_forms.int8.scale)
+
+
+def _plain_float32(embedding: torch.nn.Module) -> bool:
+    return isinstance(embedding, Embedding) and embedding.weight.dtype == torch.float32
 
 
 def _cpu_forms(layer: Linear) -> CpuWeightForms:

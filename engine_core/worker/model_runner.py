@@ -39,6 +39,7 @@ from engine_core.worker.draft_model import DraftModel
 from engine_core.worker.draft_runner import DraftRunner
 from engine_core.worker.driver_sampling import sample_on_driver
 from engine_core.worker.graph_steps import capture_graphs, cuda_graph_steps
+from engine_core.worker.head_step import fused_head
 from engine_core.worker.host_allocator import HeapRelease, release_free_heap
 from engine_core.worker.input_batch import InputBatch
 from engine_core.worker.kv_prefault import highest_new_block
@@ -55,7 +56,7 @@ from engine_core.worker.pending_grammars import IDLE_WAIT_S, PendingGrammars
 from engine_core.worker.prompt_logprobs import prompt_logprobs
 from engine_core.worker.spec_verify import Verification, write_drafts
 from engine_core.worker.step_functions import StepFunction, pick_step_function
-from engine_core.worker.step_sampling import batch_metadata, sample_step
+from engine_core.worker.step_sampling import batch_metadata, picked_step, sample_step
 from engine_core.worker.verified_output import emit_verified
 from engine_core.worker.verify_rows import as_decode_rows
 from kernels import cpu as cpu_kernels
@@ -313,22 +314,29 @@ class ModelRunner:
         self.backend.prepare(meta)
         timings.forward_start = time.perf_counter()
         step = pick_step_function(self.model, self.decode_step, meta, self.mixed_step)
-        hidden = step(input_ids, positions, self.kv_caches, meta)
+        # NOTE: an int8 decode step may run the LM head, and an all-greedy one its pick, in the native call (head_step)
+        head = fused_head(step, meta, len(sample_seq_ids), sampling_meta, bool(drafts or self._prompt_logprob_seqs))
+        fused = None if head is None else head.run(input_ids, positions, self.kv_caches, meta)
+        hidden = step(input_ids, positions, self.kv_caches, meta) if fused is None else None
         timings.sample_start = time.perf_counter()
         out = ModelRunnerOutput()
-        if self._prompt_logprob_seqs:
+        if self._prompt_logprob_seqs and hidden is not None:  # NOTE: fused_head leaves such steps unfused
             out.prompt_logprobs = prompt_logprobs(self.model, self.batch, inputs, hidden, self.device)
         if not len(sample_idx):
             self.batch.advance(inputs, sample_idx, sample_idx)
             return out
-        logits = self.model.compute_logits(hidden[last_token])  # None on a rank other than 0
-        sampled = sample_on_driver(
-            self.tp,
-            len(sample_seq_ids),
-            logits,
-            lambda logits: sample_step(self.sampler, self.sampling, logits, sample_seq_ids, sampling_meta),
-            self.device,
-        )
+        # None on a rank other than 0, and where the fused head picked the tokens
+        logits = self.model.compute_logits(hidden[last_token]) if hidden is not None else fused and fused.logits
+        if fused is not None and fused.tokens is not None:
+            sampled = picked_step(self.sampling, fused.tokens, sample_seq_ids)
+        else:
+            sampled = sample_on_driver(
+                self.tp,
+                len(sample_seq_ids),
+                logits,
+                lambda logits: sample_step(self.sampler, self.sampling, logits, sample_seq_ids, sampling_meta),
+                self.device,
+            )
         # NOTE: a failed row's sequence ends, but a step planned ahead may still feed its token back: keep it a
         # valid id in the batch.
         tokens = sampled.tokens

@@ -333,3 +333,62 @@ def decode_layers(
         layers.large_m,
         layers.w8a8_m,
     )
+
+
+def decode_int8_supported(max_k: int) -> bool:
+    """Whether `decode_int8_head` (and decode_layers' int8 path) runs here: an AVX-512 VNNI build, every in_features
+    below the 16-bit activations' limit."""
+    return bool(torch.ops.pagoda_cpu.decode_int8_supported(max_k))
+
+
+@dataclass
+class Int8Head:
+    """The LM head after an all-int8 model's layers (`decode_int8_head`): the final norm's weight, the head's codes
+    `[vocab, hidden]` int8 and scales `[vocab]` float32."""
+
+    final_norm: torch.Tensor
+    codes: torch.Tensor
+    scale: torch.Tensor
+
+
+def decode_int8_head(
+    input_ids: torch.Tensor,  # [B] the step's tokens
+    positions: torch.Tensor,  # [B]
+    embedding: torch.Tensor,  # [vocab, hidden] float32: the rows of input_ids
+    cos_table: torch.Tensor,  # [max_positions, head_dim] float32: the rows of positions
+    sin_table: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    layers: DecodeLayerWeights,
+    head: Int8Head,
+    greedy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`decode_layers` for int8 weight-only layers (every projection's `int8_codes` set), from the embedding and
+    rotary rows (gathered in the call), then the final norm and the LM head in the same parallel region
+    (kernels/cpu/decode_int8.cpp). Returns (logits [B, vocab], an empty tensor), or with `greedy` (each row's largest
+    logit [B], NaN where any logit is NaN; its first index [B] int64, -1 where that maximum is not finite: the
+    sampler's FAILED_TOKEN)."""
+    return torch.ops.pagoda_cpu.decode_int8_head(
+        input_ids,
+        positions,
+        embedding,
+        cos_table,
+        sin_table,
+        kv_caches,
+        slot_mapping,
+        block_tables,
+        seq_lens,
+        layers.norms,
+        [*layers.int8_codes, head.codes],
+        [*layers.int8_scales, head.scale],
+        layers.qkv_biases,
+        head.final_norm,
+        layers.num_heads,
+        layers.num_kv_heads,
+        layers.head_dim,
+        layers.eps,
+        layers.scale,
+        greedy,
+    )

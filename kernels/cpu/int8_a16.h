@@ -133,13 +133,14 @@ inline void a16_tile(const int8_t* hi, const uint8_t* lo, int32_t hi_sum, const 
   for (int j = 0; j < kNb; ++j) sums[j] = 256.0 * (hs[j] - offset) + ls[j];
 }
 
-// out[r, n] (n in tiles [begin, end) of kNb channels) = x[r] . codes[n] * scale[n] (+ bias[n]) for the M rows of x,
-// as quantize_rows_a16 left them (hi / lo [M, padded_k(K)], s, hi_sum). The prefetches run kPrefetchTiles tiles
-// ahead, and past `end` on into `next`: the codes this thread reads after these (the next tiles of the same
-// product, or its share of the next product), so DRAM streams on across the boundary.
-inline void a16_run(float* out, const int8_t* hi, const uint8_t* lo, const float* s, const int32_t* hi_sum, int64_t M,
-                    const int8_t* codes, const float* scale, const float* bias, int64_t N, int64_t K, int64_t begin,
-                    int64_t end, const int8_t* next) {
+// sink(r, n, y) with y = x[r] . codes[n] * scale[n] (+ bias[n]) for n in tiles [begin, end) of kNb channels and the
+// M rows of x, as quantize_rows_a16 left them (hi / lo [M, padded_k(K)], s, hi_sum). The prefetches run
+// kPrefetchTiles tiles ahead, and past `end` on into `next`: the codes this thread reads after these (the next tiles
+// of the same product, or its share of the next product), so DRAM streams on across the boundary.
+template <typename Sink>
+inline void a16_each(const int8_t* hi, const uint8_t* lo, const float* s, const int32_t* hi_sum, int64_t M,
+                     const int8_t* codes, const float* scale, const float* bias, int64_t N, int64_t K, int64_t begin,
+                     int64_t end, const int8_t* next, Sink&& sink) {
   const int64_t Kp = padded_k(K);
   double sums[kNb];
   for (int64_t t = begin; t < end; ++t) {
@@ -152,10 +153,35 @@ inline void a16_run(float* out, const int8_t* hi, const uint8_t* lo, const float
       a16_tile(hi + r * Kp, lo + r * Kp, hi_sum[r], w, K, ahead, sums);
       for (int64_t j = 0; j < cols; ++j) {
         const float y = static_cast<float>(sums[j]) * s[r] * scale[n0 + j];
-        out[r * N + n0 + j] = bias != nullptr ? y + bias[n0 + j] : y;
+        sink(r, n0 + j, bias != nullptr ? y + bias[n0 + j] : y);
       }
     }
   }
+}
+
+// out[r, n] = a16_each's y, for out [M, N].
+inline void a16_run(float* out, const int8_t* hi, const uint8_t* lo, const float* s, const int32_t* hi_sum, int64_t M,
+                    const int8_t* codes, const float* scale, const float* bias, int64_t N, int64_t K, int64_t begin,
+                    int64_t end, const int8_t* next) {
+  a16_each(hi, lo, s, hi_sum, M, codes, scale, bias, N, K, begin, end, next,
+           [out, N](int64_t r, int64_t n, float y) { out[r * N + n] = y; });
+}
+
+// Each row's largest y over tiles [begin, end) and its first index, without writing the products (the greedy pick
+// fused into the LM head: decode_int8.cpp). best / index / nan [M]: the caller's running maximum per row (start at
+// -inf, -1, 0); a strict > keeps the lowest index of a tie (as torch.argmax); a NaN never compares greater, so it is
+// flagged in `nan` instead.
+inline void a16_max(const int8_t* hi, const uint8_t* lo, const float* s, const int32_t* hi_sum, int64_t M,
+                    const int8_t* codes, const float* scale, const float* bias, int64_t N, int64_t K, int64_t begin,
+                    int64_t end, const int8_t* next, float* best, int64_t* index, uint8_t* nan) {
+  a16_each(hi, lo, s, hi_sum, M, codes, scale, bias, N, K, begin, end, next, [=](int64_t r, int64_t n, float y) {
+    if (y > best[r] || (index[r] < 0 && y == best[r])) {
+      best[r] = y;
+      index[r] = n;
+    } else if (y != y) {
+      nan[r] = 1;
+    }
+  });
 }
 #endif
 
