@@ -326,7 +326,7 @@ class ModelRunner:
             self.batch.advance(inputs, sample_idx, sample_idx)
             return out
         # None on a rank other than 0, and where the fused head picked the tokens
-        logits = self.model.compute_logits(hidden[last_token]) if hidden is not None else fused and fused.logits
+        logits = self.model.compute_logits(hidden[last_token]) if fused is None else fused.logits
         if fused is not None and fused.tokens is not None:
             sampled = picked_step(self.sampling, fused.tokens, sample_seq_ids)
         else:
