@@ -64,9 +64,10 @@ inline void touch_rows(const T* p, int64_t n, int64_t row, int64_t elems) {
 // heads) in block-table order, scattered through the cache, so the hardware prefetchers start cold at every block
 // and the touch's misses are all the kernel has in flight. The walk asks for the next block (kPrefetchBlocks ahead)
 // while it scores or accumulates the current one. Measured (benchmarks/decode_attention.py's step, 1 thread, CPU time
-// on the shared machine, alternated with the previous build): bf16 cache 84.5-91.7 -> 66.1-69.2 ms for the 30
-// layers, float32 136-145 -> 131-133 ms. Into L1 (`prefetcht0`) it was slower than none (92-96 ms: the L1 prefetches
-// hold the miss buffers the demand loads wait for, as in int8_a16.h), `prefetcht2` 68-84 ms, 2-3 blocks ahead 70-74 ms.
+// on the shared machine, alternated with the previous build): bf16 cache 84.5-95.1 -> 66.1-72.0 ms for the 30
+// layers, float32 133.7-144.6 -> 119.8-135.9 ms (docs/benchmarks.md, "CPU decode attention"). Into L1
+// (`prefetcht0`) it was slower than none (92-96 ms: the L1 prefetches hold the miss buffers the demand loads wait
+// for, as in int8_a16.h), `prefetcht2` 68-84 ms, 2-3 blocks ahead 70-74 ms.
 constexpr int64_t kPrefetchBlocks = 1;
 template <typename T>
 inline void prefetch_l2(const T* p, int64_t elems) {
