@@ -24,8 +24,6 @@ from services.rpc import scheduler_pb2, scheduler_pb2_grpc
 
 log = structlog.get_logger(__name__)
 
-_END = object()  # a call's queue: the stream ended before the request did
-
 
 def _status(code: str, details: str) -> grpc.aio.AioRpcError:
     status = getattr(grpc.StatusCode, code, grpc.StatusCode.INTERNAL)
@@ -84,10 +82,6 @@ class SchedulerStream:
         self._reader: asyncio.Future[None] | None = None
         self._next_tag = 0
 
-    @property
-    def in_flight(self) -> int:
-        return len(self._calls)
-
     def submit(self, request: scheduler_pb2.SubmitRequest) -> StreamCall:
         if self._outbox is None:
             self._open()
@@ -141,6 +135,9 @@ class SchedulerStream:
             if self._outbox is outbox:
                 self._outbox = None
                 self._reader = None
+            # NOTE: ends the request iterator: gRPC cancels its consumer task only when the call is cancelled, so
+            # on a call the scheduler ended it would wait on this outbox forever.
+            outbox.put_nowait(None)
             calls, self._calls = self._calls, {}
             for target in calls.values():
                 target.deliver(error)
