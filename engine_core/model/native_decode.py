@@ -27,12 +27,10 @@ from kernels import cpu as cpu_kernels
 
 @dataclass
 class HeadOutput:
-    """What `NativeDecodeStep.with_head` returns: the logits [rows, vocab], or with `greedy` each row's largest logit
-    (NaN where a logit is NaN) and its first index, FAILED_TOKEN where that maximum is not finite (the sampler's
-    greedy rule)."""
+    """What `NativeDecodeStep.with_head` returns: the logits [rows, vocab], or with `greedy` each row's first index of
+    its largest logit, FAILED_TOKEN where that maximum is not finite (the sampler's greedy rule)."""
 
     logits: torch.Tensor | None
-    row_max: torch.Tensor | None
     tokens: torch.Tensor | None
 
 
@@ -117,7 +115,7 @@ class NativeDecodeStep:
         greedy: bool,
     ) -> HeadOutput:
         """The step (where `fuses_head`) through the final norm and the LM head: the logits of every row, bitwise
-        `model.compute_logits(self(...))`'s; with `greedy` only each row's maximum logit and its first index."""
+        `model.compute_logits(self(...))`'s; with `greedy` only each row's greedy token."""
         assert self.head is not None
         model = self.model
         # NOTE: the embedding and rotary rows are gathered in the call (`embed_tokens` is a plain float32 table here)
@@ -135,9 +133,7 @@ class NativeDecodeStep:
             self.head,
             greedy,
         )
-        if greedy:
-            return HeadOutput(None, first, tokens)
-        return HeadOutput(first, None, None)
+        return HeadOutput(None, tokens) if greedy else HeadOutput(first, None)
 
 
 def _int8_head(model: LlamaForCausalLM, forms: list[CpuWeightForms]) -> cpu_kernels.Int8Head | None:

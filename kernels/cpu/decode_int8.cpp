@@ -275,8 +275,9 @@ static at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& index, 
 }
 
 // The layers as decode_layers_int8 over the embedding rows of `input_ids` and the rotary rows of `positions`, then the
-// final norm and the LM head (codes / scales: the layers' 4 per layer, then the head's). Returns (logits [B, V], an empty int64 tensor), or with `greedy` (each row's largest logit [B],
-// NaN where a logit is NaN; its first index [B] int64, -1 where that maximum is not finite).
+// final norm and the LM head (codes / scales: the layers' 4 per layer, then the head's). Returns (logits [B, V], an
+// empty int64 tensor), or with `greedy` (each row's largest logit [B], NaN where a logit is NaN; its first index [B]
+// int64, -1 where that maximum is not finite).
 std::tuple<at::Tensor, at::Tensor> decode_int8_head(const at::Tensor& input_ids, const at::Tensor& positions,
                                                     const at::Tensor& embedding, const at::Tensor& cos_table,
                                                     const at::Tensor& sin_table, at::TensorList kv_caches,
@@ -319,8 +320,8 @@ std::tuple<at::Tensor, at::Tensor> decode_int8_head(const at::Tensor& input_ids,
             nan.data_ptr<uint8_t>(),
             stride};
   run_layers(h, cos, sin, kv_caches, slot_mapping, block_tables, seq_lens, norms, codes.vec(), scales.vec(),
-             qkv_biases, num_heads, num_kv_heads, head_dim, eps, scale, &head, greedy ? first.data_ptr<float>() : nullptr,
-             greedy ? tokens.data_ptr<int64_t>() : nullptr);
+             qkv_biases, num_heads, num_kv_heads, head_dim, eps, scale, &head,
+             greedy ? first.data_ptr<float>() : nullptr, greedy ? tokens.data_ptr<int64_t>() : nullptr);
   return {first, tokens};
 }
 #else
@@ -344,8 +345,6 @@ std::tuple<at::Tensor, at::Tensor> decode_int8_head(const at::Tensor&, const at:
 }
 #endif
 
-bool decode_int8_supported(int64_t max_k) { return decode_layers_int8_supported(max_k); }
-
 }  // namespace pagoda
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
@@ -355,7 +354,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
       "Tensor block_tables, Tensor seq_lens, Tensor[] norms, Tensor[] codes, Tensor[] scales, Tensor[] qkv_biases, "
       "Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, bool greedy) "
       "-> (Tensor, Tensor)");
-  m.def("decode_int8_supported(int max_k) -> bool", &pagoda::decode_int8_supported);
+  m.def("decode_int8_supported(int max_k) -> bool", &pagoda::decode_layers_int8_supported);
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) { m.impl("decode_int8_head", &pagoda::decode_int8_head); }

@@ -10,7 +10,6 @@
 
 namespace {
 
-
 // kv_cache[0|1] rows <- k|v for tokens [t0, t1), each at its slot; slots < 0 (padding) are skipped.
 template <typename T>
 void store_rows(T* kc, T* vc, const float* kp, const float* vp, int64_t ks, int64_t vs, const int64_t* slots,
