@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
+
 from engine_core.core.request import FinishReason
 from engine_core.core.seq_output import SeqOutput, TokenLogprobs
 from services.rpc import common_pb2, scheduler_pb2
@@ -36,25 +38,27 @@ def stop_from_proto(msg: common_pb2.StopReason) -> int | str | None:
     return None if kind is None else getattr(msg, kind)
 
 
-def _lps_to_proto(items: list[TokenLogprobs], out: list[common_pb2.TokenLogprobs]) -> None:
+def _lps_to_proto(items: list[TokenLogprobs], out: RepeatedCompositeFieldContainer[common_pb2.TokenLogprobs]) -> None:
+    add = out.add  # NOTE: each entry built in place in the repeated field, not built and then copied in
     for item in items:
-        out.append(common_pb2.TokenLogprobs(token_ids=item.token_ids, logprobs=item.logprobs, rank=item.rank))
+        add(token_ids=item.token_ids, logprobs=item.logprobs, rank=item.rank)
 
 
 def _lps_from_proto(items: list[common_pb2.TokenLogprobs]) -> list[TokenLogprobs]:
     return [TokenLogprobs(list(i.token_ids), list(i.logprobs), i.rank) for i in items]
 
 
-def seq_output_to_proto(out: SeqOutput) -> scheduler_pb2.SeqOutput:
-    msg = scheduler_pb2.SeqOutput(
-        index=out.index,
-        new_token_ids=out.new_token_ids,
-        finish_reason=reason_to_proto(out.finish_reason),
-        num_cached_tokens=out.num_cached_tokens,
-        prompt_logprobs_start=out.prompt_logprobs_start,
-        num_draft_tokens=out.num_draft_tokens,
-        num_accepted_tokens=out.num_accepted_tokens,
-    )
+def seq_output_to_proto(out: SeqOutput, msg: scheduler_pb2.SeqOutput | None = None) -> scheduler_pb2.SeqOutput:
+    """`out` as Protobuf, built into `msg` when given (an entry of a repeated field: no copy), else a new message."""
+    if msg is None:
+        msg = scheduler_pb2.SeqOutput()
+    msg.index = out.index
+    msg.new_token_ids.extend(out.new_token_ids)
+    msg.finish_reason = reason_to_proto(out.finish_reason)
+    msg.num_cached_tokens = out.num_cached_tokens
+    msg.prompt_logprobs_start = out.prompt_logprobs_start
+    msg.num_draft_tokens = out.num_draft_tokens
+    msg.num_accepted_tokens = out.num_accepted_tokens
     if out.new_logprobs is not None:
         msg.has_new_logprobs = True
         _lps_to_proto(out.new_logprobs, msg.new_logprobs)

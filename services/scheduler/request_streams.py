@@ -59,9 +59,13 @@ class RequestStream:
         conn = self.conn
         entry = None  # its entry in the connection's response being gathered
         try:
-            if conn is not None and is_small(event):
+            if conn is not None:
+                # NOTE: built in place in the connection's response, large ones (logprobs, 256+ tokens) too: only
+                # those are measured, and moved (copied) only when they end up past the response's byte bound.
                 entry = conn.add(self.tag)
                 fill_response(entry, self, event)
+                if not is_small(event):
+                    conn.measure_last()
                 return True
             msg = scheduler_pb2.SubmitResponse()
             fill_response(msg, self, event)
@@ -88,7 +92,9 @@ class RequestStream:
 
 def fill_response(msg: scheduler_pb2.SubmitResponse, stream: RequestStream, event: RequestEvent) -> None:
     """One step's message of a request, built into `msg`."""
-    msg.outputs.extend(seq_output_to_proto(o) for o in event.outputs)
+    add = msg.outputs.add
+    for o in event.outputs:
+        seq_output_to_proto(o, add())
     if event.finished:
         msg.finished = True
         msg.trace.CopyFrom(stream.trace)
@@ -138,6 +144,22 @@ class StreamConnection:
         msg = self._pending.responses.add()
         msg.tag = tag
         return msg
+
+    def measure_last(self) -> None:
+        """Counts the message last added at its size, once built in place. When that takes the response past
+        STREAM_RESPONSE_BYTES, the response leaves without it and it opens the next one."""
+        pending = self._pending
+        assert pending is not None
+        msg = pending.responses[-1]
+        size = msg.ByteSize()
+        self._pending_bytes += size - _SMALL_BYTES
+        if self._pending_bytes <= STREAM_RESPONSE_BYTES or len(pending.responses) == 1:
+            return
+        moved = scheduler_pb2.StreamResponse()
+        moved.responses.add().CopyFrom(msg)
+        del pending.responses[-1]
+        self.outbox.put_nowait(pending)
+        self._pending, self._pending_bytes = moved, size
 
     def send(self, tag: int, msg: scheduler_pb2.SubmitResponse) -> None:
         """An already built message for request `tag`."""
