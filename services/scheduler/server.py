@@ -41,6 +41,10 @@ from services.scheduler.tracing import record_request, request_span
 
 log = structlog.get_logger(__name__)
 
+# Why a `Stream` request's span ends in error when it was aborted (a `Submit` span's CANCELLED is the interceptor's).
+CALL_ENDED = "cancelled: the frontend's Stream call ended"
+CANCELLED = "cancelled by the frontend"
+
 _STATUS = {
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
     "INTERNAL": grpc.StatusCode.INTERNAL,
@@ -232,7 +236,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             reader.cancel()
             # NOTE: the frontend went away (or closed): every request it still had is aborted, its blocks freed.
             for stream in list(conn.requests.values()):
-                self._end(stream, abort=True)
+                self._end(stream, abort=True, error=CALL_ENDED)
+            # NOTE: waited for (asyncio.wait never raises), so that a failure of the frontend's request stream (a
+            # message that does not parse, say) is logged here with the call, not as "exception never retrieved".
+            await asyncio.wait([reader])
+            if not reader.cancelled() and (error := reader.exception()) is not None:
+                log.error("a frontend's request stream failed", error=repr(error))
 
     async def _read_stream(
         self, conn: StreamConnection, request_iterator: AsyncIterator[scheduler_pb2.StreamRequest]
@@ -244,7 +253,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 else:
                     stream = conn.requests.get(message.cancel)
                     if stream is not None:
-                        self._end(stream, abort=True)
+                        self._end(stream, abort=True, error=CANCELLED)
         finally:
             conn.closing = True
             conn.flush()

@@ -4,16 +4,22 @@ at an OTLP/gRPC receiver inside this test (plus `--collect-detailed-traces`). A 
 from __future__ import annotations
 
 import json
+import queue
 import threading
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
 from services.client import GenerationClient, text_request
 from services.common.health import check
 from services.launcher import LaunchConfig, LocalCluster
+from services.rpc import common_pb2, scheduler_pb2
+from services.scheduler.tracing import SUBMIT_SPAN
 from tests.services.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.services.probes import free_port_pair, scrape, start_healthy
 
@@ -22,6 +28,7 @@ pytestmark = pytest.mark.slow
 NUM_KV_BLOCKS = 12  # x 16 tokens: two requests of ~150 tokens each cannot both keep their blocks
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN_ID = "00f067aa0ba902b7"
+STATUS_CODE_ERROR = Status.STATUS_CODE_ERROR
 SERVICES = {"frontend": "pagoda-frontend", "scheduler": "pagoda-scheduler", "worker": "pagoda-worker"}
 
 
@@ -234,3 +241,74 @@ def test_request_log_lines_carry_the_trace_id(traced: LocalCluster, receiver: Ot
     assert line["trace_id"] == trace_id and len(line["span_id"]) == 16
     assert line["completion_tokens"] == 2 and line["finish_reasons"] == ["length"]
     assert "prompt" not in line and "The capital" not in json.dumps(line)
+
+
+def _open_stream(channel: grpc.Channel, requests: queue.Queue[bytes | None]) -> Iterator[bytes]:
+    """A raw `Stream` call (bytes both ways, so a test can send what no client would), its requests from a queue."""
+    call = channel.stream_stream("/pagoda.v1.Scheduler/Stream", lambda b: b, lambda b: b)
+    return call(iter(requests.get, None), timeout=120)
+
+
+def _submit(tag: int, trace_id: str, max_tokens: int) -> bytes:
+    submit = scheduler_pb2.SubmitRequest(
+        request_id=f"aborted-{trace_id[:8]}",
+        prompt_token_ids=[1, 504, 3458, 282, 260, 1345, 28, 216],
+        sampling=common_pb2.SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        tag=tag,
+        trace=common_pb2.TraceContext(traceparent=f"00-{trace_id}-{CLIENT_SPAN_ID}-01"),
+    )
+    return scheduler_pb2.StreamRequest(submit=submit).SerializeToString()
+
+
+def _until_tokens(responses: Iterator[bytes]) -> None:
+    for raw in responses:
+        if any(m.outputs for m in scheduler_pb2.StreamResponse.FromString(raw).responses):
+            return
+    raise AssertionError("the call ended before the request had tokens")
+
+
+def test_a_stream_request_aborted_by_its_caller_ends_its_span_in_error(
+    traced: LocalCluster, receiver: OtlpReceiver
+) -> None:
+    by_tag, call_ended = "e" * 32, "f" * 32
+    with grpc.insecure_channel(traced.scheduler_addr) as channel:
+        requests: queue.Queue[bytes | None] = queue.Queue()
+        responses = _open_stream(channel, requests)
+        requests.put(_submit(1, by_tag, 150))
+        _until_tokens(responses)
+        requests.put(scheduler_pb2.StreamRequest(cancel=1).SerializeToString())
+        requests.put(None)  # half-closed, its one request cancelled: the scheduler ends the call
+        list(responses)  # until the call ends
+        requests = queue.Queue()
+        responses = _open_stream(channel, requests)
+        requests.put(_submit(1, call_ended, 150))
+        _until_tokens(responses)
+        responses.cancel()  # type: ignore[attr-defined]  # the frontend went away
+
+    def ended(spans: list[ReceivedSpan]) -> bool:
+        return {by_tag, call_ended} <= {s.trace_id for s in spans if s.name == SUBMIT_SPAN}
+
+    spans = [s for s in receiver.wait_for(ended) if s.name == SUBMIT_SPAN and s.trace_id in (by_tag, call_ended)]
+    assert [(s.service, s.status_code) for s in spans] == [(SERVICES["scheduler"], STATUS_CODE_ERROR)] * 2
+
+
+def test_a_broken_request_stream_is_logged_and_its_requests_run_on(traced: LocalCluster) -> None:
+    trace_id = "c" * 32
+    with grpc.insecure_channel(traced.scheduler_addr) as channel:
+        requests: queue.Queue[bytes | None] = queue.Queue()
+        responses = _open_stream(channel, requests)
+        requests.put(_submit(1, trace_id, 4))
+        requests.put(b"\xff\xff\xff")  # not a StreamRequest: the scheduler's reading of this call fails
+        requests.put(None)
+        msgs = [m for raw in responses for m in scheduler_pb2.StreamResponse.FromString(raw).responses]
+    assert msgs[-1].finished and not msgs[-1].error_code  # the request admitted before it ran to its end
+    assert sum(len(o.new_token_ids) for m in msgs for o in m.outputs) == 4
+    log = Path(traced.config.log_dir or "") / "scheduler.log"
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+        failed = [x for x in lines if x.get("event") == "a frontend's request stream failed"]
+        if failed or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(failed) == 1 and "DecodeError" in failed[0]["error"], failed
