@@ -1,9 +1,9 @@
 """One scheduler replica behind the frontend's router: its channel, health, KV index, load and requests in flight.
 
-`watch` keeps one WatchKvEvents stream open (resubscribing from the last batch after a gap, a drop or a failure)
-and polls the scheduler's health every second. While either is down the replica takes no new requests and its index
-is emptied (what it knew may be stale); its requests in flight end on their own (a dead scheduler's streams fail
-with UNAVAILABLE).
+`watch` keeps one WatchKvEvents stream open (resubscribing from the last batch after a gap, a drop or a failure;
+not when the router has this replica alone, `watch_kv`) and polls the scheduler's health every second. While either
+is down the replica takes no new requests and its index is emptied (what it knew may be stale); its requests in
+flight end on their own (a dead scheduler's streams fail with UNAVAILABLE).
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ class Replica:
         tls: TlsFiles | None,
         interceptors: list[grpc.aio.ClientInterceptor] | None = None,
         tls_name: str | None = None,
+        watch_kv: bool = True,
     ) -> None:
         self.addr = addr
+        self.watch_kv = watch_kv  # False: no WatchKvEvents stream (the router has no other replica to weigh it against)
         self.client = SchedulerClient(addr, tls, interceptors, tls_name)
         self.index = KvIndex()
         self.serving = False  # the scheduler's health is SERVING
@@ -95,7 +97,10 @@ class Replica:
         await self.client.close()
 
     async def _run(self) -> None:
-        await asyncio.gather(self._watch_health(), self._watch_events())
+        if self.watch_kv:
+            await asyncio.gather(self._watch_health(), self._watch_events())
+        else:
+            await self._watch_health()
 
     async def _watch_health(self) -> None:
         stub = health_pb2_grpc.HealthStub(self.client.channel)

@@ -132,6 +132,11 @@ class SchedulerRouter:
         self.owners: dict[str, Replica] = {}  # scoped request id -> the replica it runs on
         self._leaving: set[Replica] = set()
         self._resolver: asyncio.Future[None] | None = None
+        # NOTE: one fixed replica takes every request whatever its KV index and load say, so it is not watched: its
+        # scheduler sends a KV-event batch per step and a load report up to 10 times a second that the frontend
+        # parses, each a wake-up of both event loops on the cores the worker computes on (docs/benchmarks.md,
+        # "Serving at 64 streams against offline"). A DNS name may grow to several replicas: watched.
+        self.watch_kv = source.is_dns or len(source.static) > 1
 
     @property
     def num_ready(self) -> int:
@@ -158,7 +163,7 @@ class SchedulerRouter:
         for addr in addrs:
             if addr not in self.replicas:
                 log.info("replica joined", replica=addr)
-                replica = self.replicas[addr] = Replica(addr, self.tls, self.interceptors, tls_name)
+                replica = self.replicas[addr] = Replica(addr, self.tls, self.interceptors, tls_name, self.watch_kv)
                 replica.start()
         for addr in [a for a in self.replicas if a not in addrs]:
             log.info("replica left", replica=addr)

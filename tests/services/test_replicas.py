@@ -106,6 +106,28 @@ def test_a_router_finds_the_replicas_behind_a_dns_name(replicas: LocalCluster) -
     assert f"127.0.0.1:{port}" in addrs and block_size > 0 and ready >= 1
 
 
+def test_a_router_watches_kv_events_only_where_it_has_replicas_to_choose_between(replicas: LocalCluster) -> None:
+    first, second = replicas.scheduler_addrs
+
+    async def subscribed(source: str) -> dict[str, bool]:
+        router = SchedulerRouter(parse_replica_source(source), RoutingPolicy("prefix"))
+        await router.start()
+        try:
+            await router.wait_ready(60)
+            deadline = asyncio.get_running_loop().time() + 10
+            # NOTE: a watched replica's stream opens with a snapshot (block_size 0 until one arrives)
+            while not all(r.subscribed for r in router.replicas.values() if r.watch_kv):
+                assert asyncio.get_running_loop().time() < deadline, "a watched replica never subscribed"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # long enough for an unwatched one to have subscribed, were it watched
+            return {addr: r.subscribed for addr, r in router.replicas.items()}
+        finally:
+            await router.close()
+
+    assert asyncio.run(subscribed(first)) == {first: False}
+    assert asyncio.run(subscribed(f"{first},{second}")) == {first: True, second: True}
+
+
 def test_prefix_policy_keeps_each_tenants_prefix_on_one_replica(client: GenerationClient) -> None:
     rng = random.Random(2)
     systems = [[rng.randrange(100, VOCAB) for _ in range(96)] for _ in range(3)]
