@@ -8,13 +8,10 @@ awaited; then the HTTP API starts and health turns SERVING. SIGTERM drains: NOT_
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Iterator
 
 import grpc
 import structlog
-import uvicorn
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from prometheus_client import CollectorRegistry
@@ -32,6 +29,7 @@ from services.frontend.auth import ApiKeys
 from services.frontend.config import FrontendConfig, parse_frontend_args
 from services.frontend.grpc_api import GenerationServicer
 from services.frontend.http_guard import GuardedConfig
+from services.frontend.http_server import HttpServer
 from services.frontend.metrics import RequestMetrics, add_metrics_route
 from services.frontend.openai_api import create_app
 from services.frontend.pipeline import AdmissionPolicy, RequestPipeline
@@ -42,13 +40,6 @@ from services.frontend.tokenization import PromptTokenizer
 from services.rpc import GENERATION_SERVICE, generation_pb2_grpc
 
 log = structlog.get_logger(__name__)
-
-
-class _Uvicorn(uvicorn.Server):
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        # NOTE: the frontend owns SIGTERM: it drains gRPC and HTTP together, then stops uvicorn itself.
-        yield
 
 
 async def _load_pipeline(
@@ -132,7 +123,7 @@ async def serve(config: FrontendConfig, telemetry: Telemetry | None = None) -> i
         return 0
     pipeline = loading.result()
     servicer.pipeline = pipeline
-    http: _Uvicorn | None = None
+    http: HttpServer | None = None
     http_task: asyncio.Future[None] | None = None
     if config.http_port is not None:
         app = create_app(pipeline, lambda: health.serving, keys, config.stream_send_timeout, config.tools)
@@ -156,7 +147,7 @@ async def serve(config: FrontendConfig, telemetry: Telemetry | None = None) -> i
             ssl_certfile=config.tls.cert_file,
             ssl_keyfile=config.tls.key_file,
         )
-        http = _Uvicorn(uv_config)
+        http = HttpServer(uv_config)
         http_task = asyncio.ensure_future(http.serve())
         while not http.started and not http_task.done():
             await asyncio.sleep(0.02)
