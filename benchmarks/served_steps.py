@@ -72,14 +72,24 @@ def cpu_by_process(before: dict[int, ThreadCpu], after: dict[int, ThreadCpu]) ->
     return roles
 
 
+def wakeups_by_process(before: dict[int, ThreadCpu], after: dict[int, ThreadCpu]) -> dict[str, int]:
+    """Voluntary context switches (a thread went to sleep: one wake-up each) per process."""
+    roles: dict[str, int] = {}
+    for tid, t in after.items():
+        b = before.get(tid, ThreadCpu(t.role, t.name, 0.0, 0, 0))
+        roles[t.role] = roles.get(t.role, 0) + t.voluntary - b.voluntary
+    return roles
+
+
 def print_threads(before: dict[int, ThreadCpu], after: dict[int, ThreadCpu], min_cpu_s: float = 0.05) -> None:
     for tid, t in after.items():
         b = before.get(tid, ThreadCpu(t.role, t.name, 0.0, 0, 0))
         cpu = t.cpu_s - b.cpu_s
-        if cpu >= min_cpu_s:
+        if cpu >= min_cpu_s and (min_cpu_s > 0 or t.voluntary != b.voluntary):
             print(f"  {t.role:20s} {t.name:14s} cpu {cpu:7.2f} s  switches: voluntary {t.voluntary - b.voluntary:6d}"
                   f"  involuntary {t.involuntary - b.involuntary:6d}")  # fmt: skip
     print("  CPU s by process:", {k: round(v, 2) for k, v in cpu_by_process(before, after).items()})
+    print("  wake-ups by process:", wakeups_by_process(before, after))
 
 
 def step_metrics(port: int) -> dict[str, float]:
@@ -133,6 +143,11 @@ async def served(args: argparse.Namespace, wl: Workload) -> None:
         load = cpu_by_process(t0, t1)
         net = {k: round(v - idle.get(k, 0.0) / args.idle_s * wall, 2) for k, v in load.items()}
         print(f"  idle CPU s per second: { {k: round(v / args.idle_s, 4) for k, v in idle.items()} }")
+        if args.idle_threads:
+            print(f"  idle, {args.idle_s:g} s:")
+            print_threads(t1, t2, min_cpu_s=0.0)
+        woke = wakeups_by_process(t1, t2)
+        print(f"  idle wake-ups per second: { {k: round(v / args.idle_s, 1) for k, v in woke.items()} }")
         print(f"  CPU s by process less the idle rate x wall: {net}")
     finally:
         await backend.close()
@@ -181,8 +196,10 @@ def main() -> None:
     ap.add_argument("--metrics-port", type=int, default=29500, help="the scheduler's; the worker's is the next one")
     ap.add_argument("--idle-s", type=float, default=3.0, help="seconds after the load to read the worker's RSS again")
     ap.add_argument("--log-dir", default="/tmp/pagoda-served-steps")
+    ap.add_argument("--num-requests", type=int, default=64, help="streams of the load (fewer: a shorter load)")
+    ap.add_argument("--idle-threads", action="store_true", help="print each thread's CPU and wake-ups while idle")
     args = ap.parse_args()
-    wl = make("random", 64, seed=0)
+    wl = make("random", args.num_requests, seed=0)
     if args.offline:
         offline(args, wl)
     else:
