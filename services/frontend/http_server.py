@@ -23,7 +23,7 @@ class HttpServer(uvicorn.Server):
         self._exit = asyncio.Event()  # NOTE: before uvicorn's __init__, which sets should_exit
         super().__init__(config)
 
-    @property  # type: ignore[override]
+    @property
     def should_exit(self) -> bool:
         return self._exit.is_set()
 

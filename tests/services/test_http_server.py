@@ -39,7 +39,7 @@ def test_serves_without_a_tick_and_exits_at_once_when_told(monkeypatch: pytest.M
             ticks.append(counter)
             return await on_tick(counter)
 
-        server.on_tick = counted  # type: ignore[method-assign]
+        server.on_tick = counted
         task = asyncio.ensure_future(server.serve())
         while not server.started:
             assert not task.done(), "the server did not start"
