@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 import pytest
 
 from engine_core.sampling_params import SamplingParams
-from engine_core.worker.input_batch import InputBatch
+from engine_core.worker.input_batch import InputBatch, StepInputs
 
 BS = 4
 
@@ -65,6 +67,27 @@ def test_a_decode_only_step_gets_the_inputs_of_the_per_token_expansion(seed: int
         a, b = getattr(fast, name), getattr(slow, name)
         assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
     assert fast.sample_mask.tolist() == slow.sample_mask.tolist() and not fast.sample_mask.all()
+
+
+@pytest.mark.parametrize("known", [1, 2])
+def test_a_one_row_decode_step_gets_the_inputs_of_the_per_token_expansion(known: int) -> None:
+    """Batch 1 takes `prepare`'s one-row shortcut: every input (values and dtypes) the general expansion's, and a row
+    whose sampled token is not yet known (`known` = 2: a step planned ahead) not sampling."""
+    batch = InputBatch(max_rows=4, max_model_len=64, max_blocks_per_seq=16, block_size=BS)
+    batch.add(3, [1, 2], 1, [9], 0, SamplingParams())  # another row, so seq 5's row is not row 0
+    batch.add(5, list(range(100, 123)), 4, [11, 2, 7, 5, 13, 6], 23 - known, SamplingParams())
+    fast = batch.prepare([5], [1])
+    slow = batch._prepare_tokens([5], np.array([batch.row_of[5]], dtype=np.int64), [1])
+    assert fast.seq_ids == slow.seq_ids == [5] and fast.num_decodes == slow.num_decodes == 1
+    for name in fields(StepInputs):
+        a, b = getattr(fast, name.name), getattr(slow, name.name)
+        if isinstance(a, np.ndarray):
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist(), name.name
+    # position 23 - known sits in block index 5 (block 6) at offset (23 - known) % 4
+    assert fast.slot_mapping.tolist() == [6 * BS + (23 - known) % BS]
+    assert fast.input_ids.tolist() == [100 + 23 - known] and fast.sample_mask.tolist() == [known == 1]
+    fast.input_ids[0] = -1  # the step's inputs are its own, not views of the batch's token table
+    assert batch.token_ids[batch.row_of[5], 23 - known] == 100 + 23 - known
 
 
 def test_rows_are_reused_and_membership_is_checked() -> None:

@@ -17,6 +17,39 @@ def attention_metadata(
     inputs: StepInputs, batch: InputBatch, block_size: int, to_device: ToDevice, full_width: bool
 ) -> AttentionMetadata:
     """`full_width`: block tables as wide as the batch's (CUDA), else as wide as the step's longest sequence needs."""
+    if 0 < inputs.num_decodes == len(inputs.rows) and not full_width:
+        return decode_metadata(inputs, batch, block_size, to_device)
+    return general_metadata(inputs, batch, block_size, to_device, full_width)
+
+
+def decode_metadata(inputs: StepInputs, batch: InputBatch, block_size: int, to_device: ToDevice) -> AttentionMetadata:
+    """`attention_metadata` of a decode-only step on the host (batch 1's every step): the prefill part empty without
+    computing it. NOTE: after the native step's weight stream every numpy call runs from cold caches, and the general
+    path's prefill part (slices, a cumsum, a concatenate, casts, maxima of empty arrays) is half its calls; the
+    fields are checked against the general path's one by one (tests/test_attention_inputs.py)."""
+    seq_lens = inputs.num_computed + 1
+    longest = int(seq_lens.max())
+    width = -(-longest // block_size)
+    return AttentionMetadata(
+        num_decodes=len(inputs.rows),
+        num_prefills=0,
+        slot_mapping=to_device("slot_mapping", inputs.slot_mapping),
+        decode_seq_lens=to_device("decode_seq_lens", seq_lens.astype(np.int32)),
+        decode_block_tables=to_device("decode_block_tables", batch.block_tables(inputs.rows, width)),
+        max_decode_seq_len=longest,
+        prefill_query_start_loc=to_device("prefill_query_start_loc", np.zeros(1, dtype=np.int32)),
+        prefill_seq_lens=to_device("prefill_seq_lens", np.zeros(0, dtype=np.int32)),
+        prefill_block_tables=to_device("prefill_block_tables", batch.block_table[:0, :0]),
+        max_prefill_query_len=0,
+        prefill_query_lens_cpu=[],
+        prefill_seq_lens_cpu=[],
+    )
+
+
+def general_metadata(
+    inputs: StepInputs, batch: InputBatch, block_size: int, to_device: ToDevice, full_width: bool
+) -> AttentionMetadata:
+    """`attention_metadata` of any step."""
     nd = inputs.num_decodes
     rows = inputs.rows
     seq_lens = inputs.num_computed + inputs.num_scheduled

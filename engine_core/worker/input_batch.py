@@ -86,6 +86,8 @@ class InputBatch:
 
     def prepare(self, seq_ids: list[int], num_scheduled: list[int]) -> StepInputs:
         """Orders the step (decodes first) and computes every per-token input with numpy."""
+        if len(seq_ids) == 1 and num_scheduled[0] == 1:
+            return self._prepare_one(seq_ids[0])
         rows = np.fromiter((self.row_of[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
         if all(n == 1 for n in num_scheduled):
             return self._prepare_decodes(seq_ids, rows)
@@ -146,6 +148,28 @@ class InputBatch:
             slot_mapping=slots + computed % self.block_size,
             query_start_loc=np.arange(n + 1, dtype=np.int64),
             sample_mask=computed + 1 >= self.num_tokens[rows],
+        )
+
+    def _prepare_one(self, seq_id: int) -> StepInputs:
+        """`prepare` for a step of one decode row (batch 1): `_prepare_decodes`'s inputs from the row's scalars.
+        NOTE: each numpy call of a step runs from cold caches after the weight stream; warm, this takes 14 us against
+        `_prepare_decodes`'s 40 (the fancy indexing and the per-row arithmetic on one-element arrays)."""
+        row = self.row_of[seq_id]
+        computed = int(self.num_computed[row])
+        bs = self.block_size
+        slot = int(self.block_table[row, computed // bs]) * bs + computed % bs
+        position = np.array([computed], dtype=np.int64)
+        return StepInputs(
+            seq_ids=[seq_id],
+            rows=np.array([row], dtype=np.int64),
+            num_scheduled=np.ones(1, dtype=np.int64),
+            num_computed=position,
+            num_decodes=1,
+            input_ids=self.token_ids[row, computed : computed + 1].copy(),
+            positions=position,
+            slot_mapping=np.array([slot], dtype=np.int64),
+            query_start_loc=np.arange(2, dtype=np.int64),
+            sample_mask=np.array([computed + 1 >= int(self.num_tokens[row])]),
         )
 
     def block_tables(self, rows: np.ndarray, num_blocks: int) -> np.ndarray:
