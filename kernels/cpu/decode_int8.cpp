@@ -53,7 +53,7 @@ std::pair<int64_t, int64_t> share(int64_t N, int t, int T) {
 }
 
 // Where thread t's share of `p` starts in its codes (its prefetch stream's target before the share begins).
-Next share_start(const Product& p, int t, int T) { return {p.codes + share(p.N, t, T).first * kNb * p.K, p.K}; }
+const int8_t* share_start(const Product& p, int t, int T) { return p.codes + share(p.N, t, T).first * kNb * p.K; }
 
 // The region's scratch: x quantized (quantize_rows_a16), shared by the threads.
 struct A16Rows {

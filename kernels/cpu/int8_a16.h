@@ -102,12 +102,11 @@ inline __m128i reduce4(__m512i a, __m512i b, __m512i c, __m512i d) {
 static_assert(kNb == 4, "reduce4 sums one tile's four channels");
 
 // sums[j] = sum_k xq[k] * codes[j][k], exactly, for one row of x (its hi / lo bytes and hi_sum) and kNb channels
-// (rows `w[j]` of the codes, K bytes each; the last K % 64 read masked, so the x padding meets zeros). Prefetches
-// the tile at `ahead`: kNb rows of `ahead_k` bytes (the K of the product it belongs to, which may be the next one).
+// (rows `w[j]` of the codes, K bytes each; the last K % 64 read masked, so the x padding meets zeros).
 // NOTE: one row per call: with two, GCC kept the 16 accumulators on the stack (2.5x the time of one row); the
 // other rows of a step re-read the tile's codes (kNb x K bytes) from L1, so DRAM still streams them once.
 inline void a16_tile(const int8_t* hi, const uint8_t* lo, int32_t hi_sum, const int8_t* const* w, int64_t K,
-                     const int8_t* ahead, int64_t ahead_k, double sums[kNb]) {
+                     const int8_t* ahead, double sums[kNb]) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512i acc_hi[kNb], acc_lo[kNb];
   for (int j = 0; j < kNb; ++j) acc_hi[j] = acc_lo[j] = _mm512_setzero_si512();
@@ -116,21 +115,16 @@ inline void a16_tile(const int8_t* hi, const uint8_t* lo, int32_t hi_sum, const 
     const __mmask64 mask = K - k >= 64 ? ~__mmask64{0} : (__mmask64{1} << (K - k)) - 1;
     const __m512i h = _mm512_loadu_si512(hi + k), l = _mm512_loadu_si512(lo + k);
     for (int j = 0; j < kNb; ++j) {
-      // NOTE: the codes kPrefetchTiles channel tiles ahead (a16_each), into L2, not L1: measured from DRAM at 1
-      // row, one thread, the 30 layers and LM head of SmolLM2-135M, T0 prefetches (two tiles or 16 KB ahead) left
-      // this kernel at 2.4-2.7x the read bandwidth's floor, none at 3.2x, T1 at 1.0x (the L1 prefetches hold the
-      // core's few L1 miss buffers the demand loads then wait for).
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * ahead_k + k), _MM_HINT_T1);
+      // NOTE: `ahead`'s kNb * K bytes (a16_run: the codes kPrefetchTiles channel tiles ahead), into L2, not L1:
+      // measured from DRAM at 1 row, one thread, the 30 layers and LM head of SmolLM2-135M, T0 prefetches (two
+      // tiles or 16 KB ahead) left this kernel at 2.4-2.7x the read bandwidth's floor, none at 3.2x, T1 at 1.0x
+      // (the L1 prefetches hold the core's few L1 miss buffers the demand loads then wait for).
+      _mm_prefetch(reinterpret_cast<const char*>(ahead + j * K + k), _MM_HINT_T1);
       const __m512i wv = _mm512_maskz_loadu_epi8(mask, w[j] + k);
       const __m512i wu = _mm512_xor_si512(wv, flip);  // w + 128 as u8 (the padding's 128 meets hi = 0)
       acc_hi[j] = _mm512_dpbusd_epi32(acc_hi[j], wu, h);
       acc_lo[j] = _mm512_dpbusd_epi32(acc_lo[j], l, wv);
     }
-  }
-  // NOTE: a next product with longer rows (gate_up's 576 -> down's 1536): the loop above reached only each row's
-  // first K bytes of its tile
-  for (int64_t k = K; k < ahead_k; k += 64) {
-    for (int j = 0; j < kNb; ++j) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * ahead_k + k), _MM_HINT_T1);
   }
   alignas(16) int32_t hs[kNb], ls[kNb];
   _mm_store_si128(reinterpret_cast<__m128i*>(hs), reduce4(acc_hi[0], acc_hi[1], acc_hi[2], acc_hi[3]));
@@ -139,21 +133,14 @@ inline void a16_tile(const int8_t* hi, const uint8_t* lo, int32_t hi_sum, const 
   for (int j = 0; j < kNb; ++j) sums[j] = 256.0 * (hs[j] - offset) + ls[j];
 }
 
-// Where a thread's code stream goes after its tiles: the first code of what it reads next (the next tiles of the same
-// product, or its share of the next product) and that product's row length.
-struct Next {
-  const int8_t* codes;
-  int64_t K;
-};
-
 // sink(r, n, y) with y = x[r] . codes[n] * scale[n] (+ bias[n]) for n in tiles [begin, end) of kNb channels and the
 // M rows of x, as quantize_rows_a16 left them (hi / lo [M, padded_k(K)], s, hi_sum). The prefetches run
-// kPrefetchTiles tiles ahead, and past `end` on into `next`'s first tiles (kNb rows of next.K bytes each), so DRAM
-// streams on across the boundary.
+// kPrefetchTiles tiles ahead, and past `end` on into `next`: the codes this thread reads after these (the next tiles
+// of the same product, or its share of the next product), so DRAM streams on across the boundary.
 template <typename Sink>
 inline void a16_each(const int8_t* hi, const uint8_t* lo, const float* s, const int32_t* hi_sum, int64_t M,
                      const int8_t* codes, const float* scale, const float* bias, int64_t N, int64_t K, int64_t begin,
-                     int64_t end, Next next, Sink&& sink) {
+                     int64_t end, const int8_t* next, Sink&& sink) {
   const int64_t Kp = padded_k(K);
   double sums[kNb];
   for (int64_t t = begin; t < end; ++t) {
@@ -161,11 +148,9 @@ inline void a16_each(const int8_t* hi, const uint8_t* lo, const float* s, const 
     const int8_t* w[kNb];
     for (int j = 0; j < kNb; ++j) w[j] = codes + (n0 + std::min<int64_t>(j, cols - 1)) * K;  // a short tile repeats
     const int64_t a = t + kPrefetchTiles;
-    // NOTE: past `end` in the next product's tiles, whose rows may differ in length from this one's (down -> qkv)
-    const int8_t* ahead = a < end ? codes + a * kNb * K : next.codes + (a - end) * kNb * next.K;
-    const int64_t ahead_k = a < end ? K : next.K;
+    const int8_t* ahead = a < end ? codes + a * kNb * K : next + (a - end) * kNb * K;
     for (int64_t r = 0; r < M; ++r) {
-      a16_tile(hi + r * Kp, lo + r * Kp, hi_sum[r], w, K, ahead, ahead_k, sums);
+      a16_tile(hi + r * Kp, lo + r * Kp, hi_sum[r], w, K, ahead, sums);
       for (int64_t j = 0; j < cols; ++j) {
         const float y = static_cast<float>(sums[j]) * s[r] * scale[n0 + j];
         sink(r, n0 + j, bias != nullptr ? y + bias[n0 + j] : y);
@@ -177,7 +162,7 @@ inline void a16_each(const int8_t* hi, const uint8_t* lo, const float* s, const 
 // out[r, n] = a16_each's y, for out [M, N].
 inline void a16_run(float* out, const int8_t* hi, const uint8_t* lo, const float* s, const int32_t* hi_sum, int64_t M,
                     const int8_t* codes, const float* scale, const float* bias, int64_t N, int64_t K, int64_t begin,
-                    int64_t end, Next next) {
+                    int64_t end, const int8_t* next) {
   a16_each(hi, lo, s, hi_sum, M, codes, scale, bias, N, K, begin, end, next,
            [out, N](int64_t r, int64_t n, float y) { out[r * N + n] = y; });
 }
@@ -188,7 +173,7 @@ inline void a16_run(float* out, const int8_t* hi, const uint8_t* lo, const float
 // flagged in `nan` instead.
 inline void a16_max(const int8_t* hi, const uint8_t* lo, const float* s, const int32_t* hi_sum, int64_t M,
                     const int8_t* codes, const float* scale, const float* bias, int64_t N, int64_t K, int64_t begin,
-                    int64_t end, Next next, float* best, int64_t* index, uint8_t* nan) {
+                    int64_t end, const int8_t* next, float* best, int64_t* index, uint8_t* nan) {
   a16_each(hi, lo, s, hi_sum, M, codes, scale, bias, N, K, begin, end, next, [=](int64_t r, int64_t n, float y) {
     if (y > best[r] || (index[r] < 0 && y == best[r])) {
       best[r] = y;

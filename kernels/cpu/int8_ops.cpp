@@ -133,7 +133,7 @@ void weight_only_a16(float* out, const float* x, int64_t ldx, int64_t M, const i
                     hi_sums.data());
   const int64_t tiles = (N + kNb - 1) / kNb;
   at::parallel_for(0, tiles, 16, [&](int64_t begin, int64_t end) {
-    a16_run(out, hi, lo, s, hs, M, codes, scale, bias, N, K, begin, end, Next{codes + end * kNb * K, K});
+    a16_run(out, hi, lo, s, hs, M, codes, scale, bias, N, K, begin, end, codes + end * kNb * K);
   });
 }
 #endif
