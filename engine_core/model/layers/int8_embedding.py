@@ -5,7 +5,7 @@ codes (28 MB, per-row scales) and the float32 embedding (113 MB) that the layer 
 gather read. A step gathers one row per token, so widening the rows it needs costs nothing beside the step's GEMMs.
 Each value is one float32 product of an exact code and the row's scale, so this module and the native gather
 (kernels/cpu/decode_int8.cpp, `decode_int8_head`) give the same bits. An untied embedding is not a linear weight and
-stays float32 (docs/decisions.md, "int8 embeddings").
+stays float32 (docs/decisions.md, "CPU kernels": int8 embeddings).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ class Int8Embedding(nn.Module):
         self.num_embeddings, self.dim = codes.shape
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1).long()
+        flat = ids.reshape(-1)
+        # NOTE: widened, then scaled in place: torch.mul's int8 x float32 promotion gives the same bits but ran 7x
+        # slower at 512 rows (benchmarks/int8_embedding.py's shapes)
         rows = self.codes.index_select(0, flat).float()
         return rows.mul_(self.scale.index_select(0, flat).unsqueeze(1)).view(*ids.shape, self.dim)
 
