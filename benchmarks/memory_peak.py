@@ -1,9 +1,10 @@
 """Where the offline benchmark's peak RSS comes from: the process's memory by category at its peak.
 
 Runs what `side_by_side.py --engines pagoda --modes offline --workloads random` runs (an `LLM` with 2 threads and
-2 GiB of KV cache, float32 unless told, the 2-request warm-up, then the 64-request random workload through
-`LLM.generate`), in this process, while a thread samples its RSS (`/proc/self/statm`, every `--interval` s). Each
-time the RSS passes its last breakdown by `--step-mb`, it reads `/proc/self/smaps` and sorts every mapping's Rss:
+2 GiB of KV cache, float32 unless told (`--dtype`, `--quantization`), the 2-request warm-up, then the 64-request
+random workload through `LLM.generate`), in this process, while a thread samples its RSS (`/proc/self/statm`, every
+`--interval` s). Each time the RSS passes its last breakdown by `--step-mb`, it reads `/proc/self/smaps` and sorts
+every mapping's Rss:
 
 - kv_cache: the KV cache's mapping (the runner's `PagedKvCache`), i.e. the pages faulted in so far;
 - libraries: shared objects (torch, MKL/oneDNN, the native kernels, Python's extensions);
@@ -192,6 +193,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default=None, help="e.g. int8 (vLLM's name; default: the checkpoint's own)")
     ap.add_argument("--interval", type=float, default=0.05, help="RSS sampling period, s")
     ap.add_argument("--step-mb", type=float, default=4.0, help="a new breakdown when RSS passes the last by this")
     ap.add_argument("--json", default=None, help="also write the report here")
@@ -212,7 +214,13 @@ def main() -> None:
     from engine_core import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, kv_cache_memory=args.kv_cache_gib, num_threads=args.threads)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        kv_cache_memory=args.kv_cache_gib,
+        num_threads=args.threads,
+    )
     seconds = {"load": time.perf_counter() - t0}
     runner = llm.engine.runner
     if args.no_heap_release:

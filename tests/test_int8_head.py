@@ -105,6 +105,7 @@ def test_the_fused_pick_takes_the_lowest_tied_index_and_fails_a_nonfinite_row_al
         torch.tensor([0, 1]),
         torch.tensor([0, 0]),
         embedding,
+        None,  # a float32 table: no per-row scales
         runner.model.rotary.cos,
         runner.model.rotary.sin,
         runner.kv_caches,

@@ -23,9 +23,10 @@ from tests.hf_reference import hf_greedy
 VOCAB = 49152  # SmolLM2's tokenizer is saved beside the tiny weights so text prompts work too
 
 
-def _tiny(kind: str, path: Path, smollm2_dir: str, gguf: bool = False) -> Path:
+def _tiny(kind: str, path: Path, smollm2_dir: str, gguf: bool = False, tied: bool = False) -> Path:
     """A tiny random model of `kind`; with `gguf`, its projections are GGUF blocks decoded (Q4_1, and Q8_0 for the
-    LM head), as the default model's are, so that the coded kernel runs them."""
+    LM head), as the default model's are, so that the coded kernel runs them; with `tied`, one table for the
+    embedding and the LM head (as the default model's)."""
     common = dict(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -35,7 +36,7 @@ def _tiny(kind: str, path: Path, smollm2_dir: str, gguf: bool = False) -> Path:
         num_key_value_heads=2,
         max_position_embeddings=512,
         initializer_range=0.2,  # peaky logits: argmax is not decided by rounding noise
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     configs = {
         "qwen2": lambda: Qwen2Config(**common),

@@ -16,6 +16,7 @@ from engine_core.attention.backend import AttentionBackend, AttentionMetadata
 from engine_core.distributed.parallel_state import SINGLE, TensorParallel, check_heads, kv_heads_per_rank
 from engine_core.model.layers.block_codes import BlockCodes
 from engine_core.model.layers.coded_embedding import CodedEmbedding
+from engine_core.model.layers.int8_embedding import Int8Embedding
 from engine_core.model.layers.layer_ops import TORCH_OPS, LayerOps
 from engine_core.model.layers.linear import Linear
 from engine_core.model.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear, qkv_parallel
@@ -194,14 +195,20 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def embed_from_lm_head_codes(self) -> bool:
-        """A tied embedding whose LM head keeps the table as block codes reads its rows from those codes and drops
-        its float32 table (layers/coded_embedding.py); after the linears' weights are processed."""
+        """A tied embedding whose LM head keeps the table as block codes (layers/coded_embedding.py) or as int8 codes
+        per row (layers/int8_embedding.py) reads its rows from those codes and drops its float32 table; after the
+        linears' weights are processed."""
         forms = self.lm_head.cpu_forms
-        if not self.tie_word_embeddings or forms is None or forms.coded is None or forms.plain is not None:
+        if not self.tie_word_embeddings or forms is None or forms.plain is not None:
             return False
         if not isinstance(self.embed_tokens, Embedding) or self.embed_tokens.weight.dtype != torch.float32:
             return False
-        self.embed_tokens = CodedEmbedding(forms.coded, self.config.vocab_size, self.config.hidden_size)
+        if forms.int8 is not None:
+            self.embed_tokens = Int8Embedding(forms.int8.codes, forms.int8.scale)
+        elif forms.coded is not None:
+            self.embed_tokens = CodedEmbedding(forms.coded, self.config.vocab_size, self.config.hidden_size)
+        else:
+            return False
         return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -20,6 +20,7 @@ import torch
 from engine_core.attention.backend import AttentionMetadata
 from engine_core.model.layers.cpu_forms import CpuWeightForms
 from engine_core.model.layers.cpu_gemm_rows import NEVER
+from engine_core.model.layers.int8_embedding import Int8Embedding
 from engine_core.model.layers.linear import Linear
 from engine_core.model.llama import Embedding, LlamaForCausalLM
 from kernels import cpu as cpu_kernels
@@ -118,11 +119,15 @@ class NativeDecodeStep:
         `model.compute_logits(self(...))`'s; with `greedy` only each row's greedy token."""
         assert self.head is not None
         model = self.model
-        # NOTE: the embedding and rotary rows are gathered in the call (`embed_tokens` is a plain float32 table here)
+        # NOTE: the embedding and rotary rows are gathered in the call (from a float32 table or the head's int8 codes)
+        gather = _gather_table(model.embed_tokens)
+        assert gather is not None, "with_head needs an embedding it can gather from (_int8_head checked it)"
+        table, table_scale = gather
         first, tokens = cpu_kernels.decode_int8_head(
             input_ids,
             positions,
-            model.embed_tokens.weight,
+            table,
+            table_scale,
             model.rotary.cos,
             model.rotary.sin,
             kv_caches,
@@ -138,13 +143,13 @@ class NativeDecodeStep:
 
 def _int8_head(model: LlamaForCausalLM, forms: list[CpuWeightForms]) -> cpu_kernels.Int8Head | None:
     """The LM head for `decode_int8_head`, where every projection and the head are int8 codes without a bias on the
-    head, the final norm is the layers' (its eps), the embedding a float32 table, and the build runs the int8 step;
-    else None."""
+    head, the final norm is the layers' (its eps), the embedding a float32 table or int8 codes (a tied table read
+    from the head's), and the build runs the int8 step; else None."""
     head = model.lm_head
     head_forms = head.cpu_forms if isinstance(head, Linear) and head.bias is None else None
     if head_forms is None or head_forms.int8 is None or any(f.int8 is None for f in forms):
         return None
-    if model.norm.eps != model.layers[0].input_layernorm.eps or not _plain_float32(model.embed_tokens):
+    if model.norm.eps != model.layers[0].input_layernorm.eps or _gather_table(model.embed_tokens) is None:
         return None
     max_k = max(f.int8.codes.shape[1] for f in [*forms, head_forms] if f.int8 is not None)
     if not cpu_kernels.decode_int8_supported(max_k):
@@ -152,8 +157,14 @@ def _int8_head(model: LlamaForCausalLM, forms: list[CpuWeightForms]) -> cpu_kern
     return cpu_kernels.Int8Head(model.norm.weight.detach(), head_forms.int8.codes, head_forms.int8.scale)
 
 
-def _plain_float32(embedding: torch.nn.Module) -> bool:
-    return isinstance(embedding, Embedding) and embedding.weight.dtype == torch.float32
+def _gather_table(embedding: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(table, per-row scales or None) that `decode_int8_head` gathers the step's rows from: a float32 table, or
+    int8 codes with their scales; None for any other embedding."""
+    if isinstance(embedding, Int8Embedding):
+        return embedding.codes, embedding.scale
+    if isinstance(embedding, Embedding) and embedding.weight.dtype == torch.float32:
+        return embedding.weight, None
+    return None
 
 
 def _cpu_forms(layer: Linear) -> CpuWeightForms:

@@ -354,7 +354,8 @@ class Int8Head:
 def decode_int8_head(
     input_ids: torch.Tensor,  # [B] the step's tokens
     positions: torch.Tensor,  # [B]
-    embedding: torch.Tensor,  # [vocab, hidden] float32: the rows of input_ids
+    embedding: torch.Tensor,  # [vocab, hidden] float32, or int8 codes with embedding_scale: the rows of input_ids
+    embedding_scale: torch.Tensor | None,  # [vocab] float32 per-row scales of int8 codes (row r = codes[r] * scale[r])
     cos_table: torch.Tensor,  # [max_positions, head_dim] float32: the rows of positions
     sin_table: torch.Tensor,
     kv_caches: list[torch.Tensor],
@@ -374,6 +375,7 @@ def decode_int8_head(
         input_ids,
         positions,
         embedding,
+        embedding_scale,
         cos_table,
         sin_table,
         kv_caches,

@@ -256,31 +256,47 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_int8(at::Tensor h, const at::Te
                     num_heads, num_kv_heads, head_dim, eps, scale, nullptr, nullptr, nullptr);
 }
 
-// table[index[r]] for each r, as a new contiguous [len(index), columns] (float32 table; an index outside it names
-// `what`).
-static at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& index, const char* what) {
-  TORCH_CHECK(table.scalar_type() == at::kFloat && table.dim() == 2 && table.is_contiguous(),
-              "decode_int8_head: a contiguous float32 table for ", what);
+// table[index[r]] for each r, as a new contiguous float32 [len(index), columns] (an index outside it names `what`):
+// a float32 table's rows, or with `row_scale` an int8 table's, row i widened as codes[i][c] * row_scale[i]: one
+// float32 product per value, as layers/int8_embedding.py's, so both give the same bits.
+static at::Tensor gather_rows(const at::Tensor& table, const at::Tensor& index, const char* what,
+                              const c10::optional<at::Tensor>& row_scale = c10::nullopt) {
+  const bool int8 = row_scale.has_value();
+  TORCH_CHECK(table.scalar_type() == (int8 ? at::kChar : at::kFloat) && table.dim() == 2 && table.is_contiguous(),
+              "decode_int8_head: a contiguous ", int8 ? "int8" : "float32", " table for ", what);
+  TORCH_CHECK(!int8 || (row_scale->scalar_type() == at::kFloat && row_scale->is_contiguous() &&
+                        row_scale->dim() == 1 && row_scale->size(0) == table.size(0)),
+              "decode_int8_head: contiguous float32 scales, one per row of the int8 table for ", what);
   const at::Tensor rows = index.to(at::kLong).contiguous();
   TORCH_CHECK(rows.dim() == 1, "decode_int8_head: ", what, " must be a vector");
   const int64_t n = rows.size(0), width = table.size(1), limit = table.size(0);
-  at::Tensor out = at::empty({n, width}, table.options());
+  at::Tensor out = at::empty({n, width}, table.options().dtype(at::kFloat));
   const int64_t* at_row = rows.data_ptr<int64_t>();
+  float* dst = out.data_ptr<float>();
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(at_row[r] >= 0 && at_row[r] < limit, "decode_int8_head: ", what, " ", at_row[r], " is outside [0, ",
                 limit, ")");
-    std::copy_n(table.data_ptr<float>() + at_row[r] * width, width, out.data_ptr<float>() + r * width);
+    if (int8) {
+      const int8_t* codes = table.data_ptr<int8_t>() + at_row[r] * width;
+      const float s = row_scale->data_ptr<float>()[at_row[r]];
+      for (int64_t c = 0; c < width; ++c) dst[r * width + c] = static_cast<float>(codes[c]) * s;
+    } else {
+      std::copy_n(table.data_ptr<float>() + at_row[r] * width, width, dst + r * width);
+    }
   }
   return out;
 }
 
-// The layers as decode_layers_int8 over the embedding rows of `input_ids` and the rotary rows of `positions`, then the
+// The layers as decode_layers_int8 over the embedding rows of `input_ids` (a float32 table, or int8 codes with
+// `embedding_scale`: a tied table read from the LM head's codes) and the rotary rows of `positions`, then the
 // final norm and the LM head (codes / scales: the layers' 4 per layer, then the head's). Returns (logits [B, V], an
 // empty int64 tensor), or with `greedy` (each row's largest logit [B], NaN where a logit is NaN; its first index [B]
 // int64, -1 where that maximum is not finite).
 std::tuple<at::Tensor, at::Tensor> decode_int8_head(const at::Tensor& input_ids, const at::Tensor& positions,
-                                                    const at::Tensor& embedding, const at::Tensor& cos_table,
-                                                    const at::Tensor& sin_table, at::TensorList kv_caches,
+                                                    const at::Tensor& embedding,
+                                                    const c10::optional<at::Tensor>& embedding_scale,
+                                                    const at::Tensor& cos_table, const at::Tensor& sin_table,
+                                                    at::TensorList kv_caches,
                                                     const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                                                     const at::Tensor& seq_lens, at::TensorList norms,
                                                     at::TensorList codes, at::TensorList scales,
@@ -290,13 +306,12 @@ std::tuple<at::Tensor, at::Tensor> decode_int8_head(const at::Tensor& input_ids,
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(codes.size() == static_cast<size_t>(4 * L + 1) && scales.size() == codes.size(),
               "decode_int8_head: expected int8 codes and scales for 4 projections per layer and the LM head");
-  TORCH_CHECK(embedding.scalar_type() == at::kFloat && embedding.dim() == 2 && embedding.is_contiguous() &&
-                  codes.back().dim() == 2,
-              "decode_int8_head: a contiguous float32 embedding table [vocab, hidden] and head codes [V, hidden]");
+  TORCH_CHECK(embedding.dim() == 2 && codes.back().dim() == 2,
+              "decode_int8_head: an embedding table [vocab, hidden] and head codes [V, hidden]");
   const int64_t hidden = embedding.size(1), V = codes.back().size(0);
   // NOTE: the embedding rows and the rotary's cos / sin rows copied here, not by torch ops before the call: each op
   // there ran from cold caches after the previous step's code stream (~0.07 ms a token each, measured in the engine)
-  const at::Tensor h = gather_rows(embedding, input_ids, "input_ids");
+  const at::Tensor h = gather_rows(embedding, input_ids, "input_ids", embedding_scale);
   const int64_t B = h.size(0);
   TORCH_CHECK(cos_table.sizes() == sin_table.sizes() && cos_table.dim() == 2 && cos_table.size(1) == head_dim,
               "decode_int8_head: cos / sin tables [positions, head_dim]");
@@ -336,7 +351,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_int8(at::Tensor, const at::Tens
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_int8_head(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                    const at::Tensor&, const at::Tensor&, at::TensorList,
+                                                    const c10::optional<at::Tensor>&, const at::Tensor&,
+                                                    const at::Tensor&, at::TensorList,
                                                     const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                                     at::TensorList, at::TensorList, at::TensorList, at::TensorList,
                                                     const at::Tensor&, int64_t, int64_t, int64_t, double, double,
@@ -349,7 +365,8 @@ std::tuple<at::Tensor, at::Tensor> decode_int8_head(const at::Tensor&, const at:
 
 TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
   m.def(
-      "decode_int8_head(Tensor input_ids, Tensor positions, Tensor embedding, Tensor cos_table, Tensor sin_table, "
+      "decode_int8_head(Tensor input_ids, Tensor positions, Tensor embedding, Tensor? embedding_scale, "
+      "Tensor cos_table, Tensor sin_table, "
       "Tensor(a!)[] kv_caches, Tensor slot_mapping, "
       "Tensor block_tables, Tensor seq_lens, Tensor[] norms, Tensor[] codes, Tensor[] scales, Tensor[] qkv_biases, "
       "Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, bool greedy) "
