@@ -44,6 +44,10 @@ def test_rows_gathered_from_codes_are_the_tables_rows(layout: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    not (cpu_kernels.available() and cpu_kernels.coded_linear_vectorized()),
+    reason="no vectorized coded kernel: the model runs float32 and keeps no codes (CpuGemmRows.for_this_cpu)",
+)
 def test_the_default_model_keeps_its_tied_table_once_as_codes() -> None:
     """SmolLM2's tied Q8_0 table: the embedding gathers from the LM head's records (no float32 table resident), and
     its rows are the file's decoded rows, bit for bit."""
