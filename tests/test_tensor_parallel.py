@@ -18,6 +18,7 @@ from engine_core.distributed.parallel_state import TensorParallel, check_heads
 from engine_core.model.layers.parallel_linear import qkv_parallel
 from engine_core.worker.model_runner import ModelRunner
 from engine_core.worker.rank_processes import RankProcessError
+from kernels import cpu as cpu_kernels
 from kernels.reference import ref_gguf_decoded
 
 VOCAB = 130  # not a multiple of 4: the last rank's vocabulary part is padded at TP=4
@@ -150,6 +151,10 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks() -> None:
     assert all(s[1] == s[2] for s in slices)
 
 
+@pytest.mark.skipif(
+    not (cpu_kernels.available() and cpu_kernels.coded_linear_vectorized()),
+    reason="no vectorized coded kernel: linears keep no codes here (CpuGemmRows.for_this_cpu)",
+)
 def test_gguf_coded_shards_keep_their_codes(tmp_path: Path, smollm2_dir: str) -> None:
     """A Q4_1 model's shards are whole blocks of 32 (column-parallel: output rows; row-parallel: input blocks), so
     each rank's linears keep the codes, at about half the single rank's bytes each (loading needs no group)."""
