@@ -64,20 +64,13 @@ def thread_cpu(pids: list[int]) -> dict[int, ThreadCpu]:
     return out
 
 
-def cpu_by_process(before: dict[int, ThreadCpu], after: dict[int, ThreadCpu]) -> dict[str, float]:
+def by_process(before: dict[int, ThreadCpu], after: dict[int, ThreadCpu], field: str) -> dict[str, float]:
+    """`field`'s growth between the two samples, summed per process ("cpu_s"; "voluntary": a thread went to sleep,
+    one wake-up each)."""
     roles: dict[str, float] = {}
     for tid, t in after.items():
         b = before.get(tid, ThreadCpu(t.role, t.name, 0.0, 0, 0))
-        roles[t.role] = roles.get(t.role, 0.0) + t.cpu_s - b.cpu_s
-    return roles
-
-
-def wakeups_by_process(before: dict[int, ThreadCpu], after: dict[int, ThreadCpu]) -> dict[str, int]:
-    """Voluntary context switches (a thread went to sleep: one wake-up each) per process."""
-    roles: dict[str, int] = {}
-    for tid, t in after.items():
-        b = before.get(tid, ThreadCpu(t.role, t.name, 0.0, 0, 0))
-        roles[t.role] = roles.get(t.role, 0) + t.voluntary - b.voluntary
+        roles[t.role] = roles.get(t.role, 0) + getattr(t, field) - getattr(b, field)
     return roles
 
 
@@ -88,8 +81,8 @@ def print_threads(before: dict[int, ThreadCpu], after: dict[int, ThreadCpu], min
         if cpu >= min_cpu_s and (min_cpu_s > 0 or t.voluntary != b.voluntary):
             print(f"  {t.role:20s} {t.name:14s} cpu {cpu:7.2f} s  switches: voluntary {t.voluntary - b.voluntary:6d}"
                   f"  involuntary {t.involuntary - b.involuntary:6d}")  # fmt: skip
-    print("  CPU s by process:", {k: round(v, 2) for k, v in cpu_by_process(before, after).items()})
-    print("  wake-ups by process:", wakeups_by_process(before, after))
+    print("  CPU s by process:", {k: round(v, 2) for k, v in by_process(before, after, "cpu_s").items()})
+    print("  wake-ups by process:", by_process(before, after, "voluntary"))
 
 
 def step_metrics(port: int) -> dict[str, float]:
@@ -139,14 +132,14 @@ async def served(args: argparse.Namespace, wl: Workload) -> None:
         # NOTE: what a process spends per second with no request (health checks, the KV-event watch, gRPC's
         # pollers) grows a load's CPU with its wall; on a shared machine the walls differ several-fold, so the load's
         # own CPU is the process's less that rate times the wall.
-        idle = cpu_by_process(t1, t2)
-        load = cpu_by_process(t0, t1)
+        idle = by_process(t1, t2, "cpu_s")
+        load = by_process(t0, t1, "cpu_s")
         net = {k: round(v - idle.get(k, 0.0) / args.idle_s * wall, 2) for k, v in load.items()}
         print(f"  idle CPU s per second: { {k: round(v / args.idle_s, 4) for k, v in idle.items()} }")
         if args.idle_threads:
             print(f"  idle, {args.idle_s:g} s:")
             print_threads(t1, t2, min_cpu_s=0.0)
-        woke = wakeups_by_process(t1, t2)
+        woke = by_process(t1, t2, "voluntary")
         print(f"  idle wake-ups per second: { {k: round(v / args.idle_s, 1) for k, v in woke.items()} }")
         print(f"  CPU s by process less the idle rate x wall: {net}")
     finally:
