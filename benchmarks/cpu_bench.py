@@ -121,10 +121,17 @@ def bench_kquants(rows: list[int]) -> list[dict[str, object]]:
 
 
 def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
+    from engine_core.model.layers.cpu_bfloat16 import bf16_gemm_unsupported, this_cpu_flags
+    from engine_core.model.layers.cpu_int8 import int8_unsupported
     from engine_core.model.layers.int8_gemm import Int8Weight, int8_gemm, quantize_per_channel
     from kernels import cpu as cpu_kernels
     from kernels.reference import ref_gguf_decoded
 
+    # NOTE: the bf16 and int8 columns need their instructions (oneDNN refuses bf16 weights without AVX-512 or
+    # AVX-NE-CONVERT; int8 is refused at load without VNNI): where the CPU lacks them they print "-".
+    flags = this_cpu_flags()
+    has_bf16 = bf16_gemm_unsupported(flags, torch.ops.mkldnn._is_mkldnn_bf16_supported()) is None
+    has_int8 = int8_unsupported(flags) is None
     torch.manual_seed(0)
     # NOTE: GGUF-decoded random weights (Q4_1 layers, Q8_0 LM head, as the default model's), so that every kernel,
     # the coded one included, runs the same values
@@ -132,17 +139,19 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
     packed = [[torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws] for ws in plain]
     lm = ref_gguf_decoded(torch.randn(VOCAB, 576) * 0.02, "q8_0")
     lm_packed = torch.ops.mkldnn._reorder_linear_weight(lm, None)
-    bf16 = [[torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in ws] for ws in plain]
-    lm_bf16 = torch.ops.mkldnn._reorder_linear_weight(lm.bfloat16(), None)
+    if has_bf16:
+        bf16 = [[torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), None) for w in ws] for ws in plain]
+        lm_bf16 = torch.ops.mkldnn._reorder_linear_weight(lm.bfloat16(), None)
 
     def int8(w: torch.Tensor, w8a8_m: int) -> Int8Weight:
         codes, scale = quantize_per_channel(w)
         return Int8Weight(codes, scale, w8a8_m)
 
     never = 1 << 62
-    w8 = [[int8(w, never) for w in ws] for ws in plain]
-    w8a8 = [[Int8Weight(q.codes, q.scale, 0) for q in ws] for ws in w8]
-    lm_w8, lm_w8a8 = int8(lm, never), int8(lm, 0)
+    if has_int8:
+        w8 = [[int8(w, never) for w in ws] for ws in plain]
+        w8a8 = [[Int8Weight(q.codes, q.scale, 0) for q in ws] for ws in w8]
+        lm_w8, lm_w8a8 = int8(lm, never), int8(lm, 0)
     panels = [[(cpu_kernels.panel_pack(w), w.shape[0]) for w in ws] for ws in plain]
     lm_panels = (cpu_kernels.panel_pack(lm), VOCAB)
     coded = [[(cpu_kernels.coded_pack(w), w.shape[0]) for w in ws] for ws in plain]
@@ -184,16 +193,16 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
             row["layers_onednn_ms"] = timed(partial(layers, dnn, packed, xs))
             row["layers_panel_ms"] = timed(partial(layers, panel, panels, xs))
             row["layers_coded_ms"] = timed(partial(layers, coded_op, coded, xs))
-            row["layers_bf16_ms"] = timed(partial(layers, dnn_bf16, bf16, xs))
-            row["layers_w8_ms"] = timed(partial(layers, int8_op, w8, xs))
-            row["layers_w8a8_ms"] = timed(partial(layers, int8_op, w8a8, xs))
+            row["layers_bf16_ms"] = timed(partial(layers, dnn_bf16, bf16, xs)) if has_bf16 else None
+            row["layers_w8_ms"] = timed(partial(layers, int8_op, w8, xs)) if has_int8 else None
+            row["layers_w8a8_ms"] = timed(partial(layers, int8_op, w8a8, xs)) if has_int8 else None
             row["lm_mkl_ms"] = timed(partial(mkl, x, lm))
             row["lm_onednn_ms"] = timed(partial(dnn, x, lm_packed))
             row["lm_panel_ms"] = timed(partial(panel, x, lm_panels))
             row["lm_coded_ms"] = timed(partial(coded_op, x, lm_coded))
-            row["lm_bf16_ms"] = timed(partial(dnn_bf16, x, lm_bf16))
-            row["lm_w8_ms"] = timed(partial(int8_op, x, lm_w8))
-            row["lm_w8a8_ms"] = timed(partial(int8_op, x, lm_w8a8))
+            row["lm_bf16_ms"] = timed(partial(dnn_bf16, x, lm_bf16)) if has_bf16 else None
+            row["lm_w8_ms"] = timed(partial(int8_op, x, lm_w8)) if has_int8 else None
+            row["lm_w8a8_ms"] = timed(partial(int8_op, x, lm_w8a8)) if has_int8 else None
         cells = [row[k] for k in row if k != "rows"]
         print(f"{m:>5} " + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells), flush=True)
         rows_out.append(row)

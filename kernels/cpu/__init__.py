@@ -228,7 +228,8 @@ def bf16_linear(
 
 
 def coded_linear_vectorized() -> bool:
-    """Whether `coded_linear` has its AVX-512 kernel here (the portable one is exact but slower than float32)."""
+    """Whether `coded_linear` has its AVX-512 or AVX2 + FMA kernel here (the portable one is exact but slower than
+    float32)."""
     return bool(torch.ops.pagoda_cpu.coded_linear_vectorized())
 
 

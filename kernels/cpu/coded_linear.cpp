@@ -1,6 +1,7 @@
 // y = x @ W^T (+ b) at every row count, with W resident only in its block-coded form: 4 or 8 bits per weight
-// instead of 32. Up to 16 rows each record is decoded in registers once per 16 rows; from 17, each pair of panels is
-// decoded once into an L2-sized buffer and multiplied by the panel kernel (panel_gemm, panel_linear.cpp).
+// instead of 32. Up to 16 rows (AVX-512; 4 on AVX2) each record is decoded in registers once per call; above, each
+// pair of panels is decoded once into an L2-sized buffer and multiplied by the panel kernel (panel_gemm,
+// panel_linear.cpp).
 //
 // Why: at 1-8 rows a projection is bound by the memory stream of W (30 GB/s here: SmolLM2's 425 MB of float32
 // layer weights take ~14 ms per decode step). A GGUF model's float32 weights are exactly its quantization blocks
@@ -32,14 +33,16 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>  // std::aligned_alloc
+#include <utility>  // std::integer_sequence
 #include <vector>
 
 #include "ops.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -48,13 +51,23 @@ namespace {
 constexpr int64_t kCols = 16;   // columns per panel
 constexpr int64_t kBlock = 32;  // k per record
 constexpr int64_t kScales = 2 * kCols * static_cast<int64_t>(sizeof(float));  // d[16] and m[16]
-// Rows per micro-kernel call: 16 accumulators + the decoded weights, scales and masks fit AVX-512's 32 registers.
+// Rows per micro-kernel call.
+// AVX-512: 16 accumulators + the decoded weights, scales and masks fit its 32 registers.
 // NOTE: 16, not 8: a speculative verification step of 9-16 query rows (k = 8..15 drafts) decodes each record once
 // instead of twice; the FMAs per row are the same, the decoding (~3.5 ops per 16 weights, on the FMA ports) is what
 // a second row block repeats (docs/benchmarks.md, "Speculative decoding").
+// AVX2: 4, two ymm accumulators per row. On a Zen 1 EPYC, 3 rows took 19 ms in registers against 22 ms decoded
+// once into a buffer (SmolLM2's 30 layers, 2 threads), and at 4 rows the two tied (docs/benchmarks.md, "CPU GEMMs by
+// row count").
+#if defined(__AVX512F__)
 constexpr int kMaxRows = 16;
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kMaxRows = 4;
+#else
+constexpr int kMaxRows = 16;
+#endif
 // Rows from which a panel is decoded once and multiplied by the panel kernel (below: decoded in registers, once per
-// 16 rows: docs/benchmarks.md, "CPU GEMMs by row count").
+// call: docs/benchmarks.md, "CPU GEMMs by row count").
 constexpr int64_t kDecodeOnceRows = kMaxRows + 1;
 
 constexpr int kHalves = 6;      // the Q6_K layout's tag: two 16-k halves, each with its d and m, int8 codes
@@ -151,6 +164,80 @@ void micro(const float* at, const uint8_t* rec, int64_t K, const float* bias, fl
 #undef CODED_ROWS
 #undef CODED_STORE
 constexpr bool kVectorized = true;
+#elif defined(__AVX2__) && defined(__FMA__)
+// Eight signed (8-bit records) or unsigned (4-bit) codes -> int32 lanes.
+template <bool SIGNED>
+inline __m256i widen8(const uint8_t* p) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return SIGNED ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+}
+inline __m256 decode8(__m256 d, __m256i q, __m256 m) { return _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q), m); }
+
+#define CODED_ROW(r, w0, w1, kk)                                      \
+  if constexpr (MR > r) {                                             \
+    const __m256 av = _mm256_broadcast_ss(at + (kk) * MR + r);        \
+    c##r##0 = _mm256_fmadd_ps(av, w0, c##r##0);                       \
+    c##r##1 = _mm256_fmadd_ps(av, w1, c##r##1);                       \
+  }
+#define CODED_ROWS(w0, w1, kk) \
+  CODED_ROW(0, w0, w1, kk) CODED_ROW(1, w0, w1, kk) CODED_ROW(2, w0, w1, kk) CODED_ROW(3, w0, w1, kk)
+#define CODED_STORE(r)                                                \
+  if constexpr (MR > r) {                                             \
+    _mm256_storeu_ps(c + r * ldc, _mm256_add_ps(c##r##0, bias0));     \
+    _mm256_storeu_ps(c + r * ldc + 8, _mm256_add_ps(c##r##1, bias1)); \
+  }
+
+// The AVX-512 kernel with its 16 columns as two ymm halves: the same fma(d, q, m) weights and the same FMA chain per
+// output, so the same bits. Up to 4 rows: 8 accumulators beside the scales, offsets, weights and the broadcast.
+// NOTE: named accumulators, not an array (as in panel_linear's AVX2 kernel: GCC kept an array in memory).
+template <int MR, int BITS>
+void micro(const float* at, const uint8_t* rec, int64_t K, const float* bias, float* c, int64_t ldc) {
+  static_assert(MR <= 4, "four rows of two accumulators");
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+  const __m256i low = _mm256_set1_epi32(0xF);
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock, rec += record_bytes(BITS)) {
+    if constexpr (BITS == kHalves) {
+      for (int64_t h = 0; h < 2; ++h) {
+        const uint8_t* half = rec + h * kHalfBytes;
+        const float* dm = reinterpret_cast<const float*>(half);
+        const __m256 d0 = _mm256_load_ps(dm), d1 = _mm256_load_ps(dm + 8);
+        const __m256 m0 = _mm256_load_ps(dm + kCols), m1 = _mm256_load_ps(dm + kCols + 8);
+        for (int64_t i = 0; i < kBlock / 2; ++i) {
+          const uint8_t* q = half + kScales + i * kCols;
+          const __m256 w0 = decode8(d0, widen8<true>(q), m0), w1 = decode8(d1, widen8<true>(q + 8), m1);
+          CODED_ROWS(w0, w1, k0 + h * (kBlock / 2) + i)
+        }
+      }
+      continue;
+    }
+    const float* dm = reinterpret_cast<const float*>(rec);
+    const __m256 d0 = _mm256_load_ps(dm), d1 = _mm256_load_ps(dm + 8);
+    const __m256 m0 = _mm256_load_ps(dm + kCols), m1 = _mm256_load_ps(dm + kCols + 8);
+    const uint8_t* codes = rec + kScales;
+    if constexpr (BITS == 4) {
+      for (int64_t i = 0; i < kBlock / 2; ++i) {
+        const __m256i v0 = widen8<false>(codes + i * kCols), v1 = widen8<false>(codes + i * kCols + 8);
+        const __m256 e0 = decode8(d0, _mm256_and_si256(v0, low), m0), e1 = decode8(d1, _mm256_and_si256(v1, low), m1);
+        CODED_ROWS(e0, e1, k0 + 2 * i)
+        const __m256 o0 = decode8(d0, _mm256_srli_epi32(v0, 4), m0), o1 = decode8(d1, _mm256_srli_epi32(v1, 4), m1);
+        CODED_ROWS(o0, o1, k0 + 2 * i + 1)
+      }
+    } else {
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const uint8_t* q = codes + i * kCols;
+        const __m256 w0 = decode8(d0, widen8<true>(q), m0), w1 = decode8(d1, widen8<true>(q + 8), m1);
+        CODED_ROWS(w0, w1, k0 + i)
+      }
+    }
+  }
+  const __m256 bias0 = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+  const __m256 bias1 = bias != nullptr ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
+  CODED_STORE(0) CODED_STORE(1) CODED_STORE(2) CODED_STORE(3)
+}
+#undef CODED_ROW
+#undef CODED_ROWS
+#undef CODED_STORE
+constexpr bool kVectorized = true;
 #else
 // The portable kernel: the same per-output order and the same decoded weights, without explicit FMAs (as
 // panel_linear's portable kernel).
@@ -204,6 +291,28 @@ void decode_panel(const uint8_t* rec, int64_t K, float* dst) {
       }
       _mm512_store_ps(dst + (k0 + kk) * kCols, _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(v), mv));
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    const __m256i low = _mm256_set1_epi32(0xF);
+    for (int64_t j = 0; j < kCols; j += 8) {  // each 8-column half: its scales and offsets, then its 32 k
+      for (int64_t h = 0; h < (BITS == kHalves ? 2 : 1); ++h) {
+        const uint8_t* part = rec + h * kHalfBytes;  // the Q6_K layout's two halves; other records are one part
+        const float* dm = reinterpret_cast<const float*>(part);
+        const __m256 d = _mm256_load_ps(dm + j), m = _mm256_load_ps(dm + kCols + j);
+        const uint8_t* codes = part + kScales + j;
+        float* out = dst + (k0 + h * (kBlock / 2)) * kCols + j;
+        if constexpr (BITS == 4) {
+          for (int64_t i = 0; i < kBlock / 2; ++i) {
+            const __m256i v = widen8<false>(codes + i * kCols);
+            _mm256_store_ps(out + 2 * i * kCols, decode8(d, _mm256_and_si256(v, low), m));
+            _mm256_store_ps(out + (2 * i + 1) * kCols, decode8(d, _mm256_srli_epi32(v, 4), m));
+          }
+        } else {
+          for (int64_t kk = 0; kk < (BITS == kHalves ? kBlock / 2 : kBlock); ++kk) {
+            _mm256_store_ps(out + kk * kCols, decode8(d, widen8<true>(codes + kk * kCols), m));
+          }
+        }
+      }
+    }
 #else
     for (int64_t kk = 0; kk < kBlock; ++kk) {
       for (int64_t j = 0; j < kCols; ++j) dst[(k0 + kk) * kCols + j] = weight_at<BITS>(rec, kk, j);
@@ -220,11 +329,13 @@ void pack_rows(const float* x, int64_t ldx, int64_t r0, int64_t mr, int64_t K, f
     for (int64_t q = 0; q < mr; ++q) dst[k * mr + q] = x[(r0 + q) * ldx + k];
   }
 }
+// kMicro<BITS>[mr]: the micro-kernel for mr rows, 1..kMaxRows (index 0 unused).
+template <int BITS, int... R>
+constexpr std::array<Micro, sizeof...(R) + 1> micro_table(std::integer_sequence<int, R...>) {
+  return {nullptr, micro<R + 1, BITS>...};
+}
 template <int BITS>
-constexpr Micro kMicro[kMaxRows + 1] = {
-    nullptr,         micro<1, BITS>,  micro<2, BITS>,  micro<3, BITS>,  micro<4, BITS>,  micro<5, BITS>,
-    micro<6, BITS>,  micro<7, BITS>,  micro<8, BITS>,  micro<9, BITS>,  micro<10, BITS>, micro<11, BITS>,
-    micro<12, BITS>, micro<13, BITS>, micro<14, BITS>, micro<15, BITS>, micro<16, BITS>};
+constexpr std::array<Micro, kMaxRows + 1> kMicro = micro_table<BITS>(std::make_integer_sequence<int, kMaxRows>{});
 
 // Whether the block w[0..31] is exactly fma(d, q, m) for integers q in [qmin, qmax] (d * q is exact for the scales
 // tried, so this is the kernel's decoding); the codes into q.
@@ -349,8 +460,8 @@ void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records
   const int64_t ldx = x.stride(0), P = records.size(0), panel_bytes = (K / kBlock) * record_bytes(bits);
   if (M >= kDecodeOnceRows) {
     // NOTE: from kDecodeOnceRows rows each pair of panels is decoded once into a buffer that stays in L2 (2 x K x 16
-    // floats: 196 KB at K = 1536) and multiplied by the panel kernel's 12 x 32 tile, instead of being decoded again
-    // for every 8 rows: float32 GEMM speed at prefill sizes with only the codes resident.
+    // floats: 196 KB at K = 1536) and multiplied by the panel kernel's tile (12 x 32; 6 x 16 on AVX2), not decoded
+    // again for every row block: float32 GEMM speed at prefill sizes with only the codes resident.
     const int64_t panel_floats = K * kCols;
     at::parallel_for(0, P, 2, [&](int64_t begin, int64_t end) {
       float* buf = static_cast<float*>(std::aligned_alloc(64, 2 * panel_floats * sizeof(float)));
@@ -373,12 +484,12 @@ void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records
     });
     return;
   }
-  const Micro* micros = bits == 4 ? kMicro<4> : bits == 8 ? kMicro<8> : kMicro<kHalves>;
+  const Micro* micros = bits == 4 ? kMicro<4>.data() : bits == 8 ? kMicro<8>.data() : kMicro<kHalves>.data();
   // Row blocks as even as possible; every block decodes the panel again, so the caller keeps this kernel to the
   // few rows where decoding is cheaper than streaming float32 weights (model/layers/cpu_gemm_rows.py, CODED_M).
   const int64_t blocks = (M + kMaxRows - 1) / kMaxRows, base = M / blocks, extra = M % blocks;
   // NOTE: one row is its own k-major form (no copy on the one-token decode step); more rows are packed once per call
-  // (at most 16 x K floats per block), shared by every thread.
+  // (at most kMaxRows x K floats per block), shared by every thread.
   std::vector<float> packed(M > 1 ? M * K : 0);
   for (int64_t i = 0, r = 0; M > 1 && i < blocks; ++i) {
     const int64_t mr = base + (i < extra ? 1 : 0);

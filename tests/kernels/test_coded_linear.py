@@ -86,11 +86,11 @@ def test_weights_that_are_not_codes_are_left_alone() -> None:
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 12, 15, 16, 17, 31, 40, 301])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17, 31, 40, 301])
 @pytest.mark.parametrize(("n", "with_bias"), [(96, False), (50, True)])
 def test_coded_linear_gives_the_panel_kernels_bits(kind: str, rows: int, n: int, with_bias: bool) -> None:
-    """Row blocks decoded in registers (1..16 rows high), then panels decoded once (from 17 rows: pairs, an odd last
-    panel, the panel kernel's row blocks of 12), a partial last panel (N % 16 != 0), with and without a bias."""
+    """Rows decoded in registers (up to 16 on AVX-512, 4 on AVX2), then panels decoded once (from 17 or 5 rows: pairs,
+    an odd last panel, the panel kernel's row blocks), a partial last panel (N % 16 != 0), with and without a bias."""
     g = torch.Generator().manual_seed(rows)
     w = gguf_decoded(torch.randn(n, 576, generator=g) * 0.05, kind)
     b = torch.randn(n, generator=g) if with_bias else None
@@ -137,10 +137,10 @@ def _gguf_linear(w: torch.Tensor, b: torch.Tensor) -> Linear:
     return layer
 
 
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 31, 64, 128, 200])
+@pytest.mark.parametrize("rows", [1, 4, 5, 15, 16, 17, 31, 64, 128, 200])
 def test_a_gguf_linear_reads_its_codes_alone_at_every_row_count_with_the_panel_kernels_bits(rows: int) -> None:
-    """Up to 16 rows the records are decoded in registers, from 17 a panel pair at a time into a buffer: both give
-    the panel kernel's bits on the decoded weights, and no float32 form of the weight stays resident."""
+    """Up to 16 rows (4 on AVX2) the records are decoded in registers, above a panel pair at a time into a buffer:
+    both give the panel kernel's bits on the decoded weights, and no float32 form of the weight stays resident."""
     w, b = gguf_decoded(torch.randn(96, 64) * 0.1, "q4_1"), torch.randn(96)
     layer = _gguf_linear(w, b)
     forms = layer.cpu_forms

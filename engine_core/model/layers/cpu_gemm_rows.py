@@ -22,9 +22,9 @@ from kernels import cpu as cpu_kernels
 
 NEVER = 1 << 62  # a row threshold no step reaches
 # NOTE: a weight with codes keeps nothing else (no float32 panels, no oneDNN copy: -425 MB on the default model).
-# Below 16 rows the coded kernel decodes in registers, which beats float32 (the bytes streamed are the cost); from 16
-# it decodes each panel pair once into L2 and runs the panel kernel on it, the panel kernel's speed, within a few %
-# of oneDNN at prefill sizes (docs/benchmarks.md, "CPU GEMMs by row count").
+# Up to 16 rows (AVX-512; 4 on AVX2) the coded kernel decodes in registers, which beats float32 (the bytes streamed
+# are the cost); above, it decodes each panel pair once into L2 and runs the panel kernel on it, the panel kernel's
+# speed, within a few % of oneDNN at prefill sizes (docs/benchmarks.md, "CPU GEMMs by row count").
 CODED_M = NEVER  # rows below which a weight with block codes runs the coded kernel: every row count
 ONEDNN_M = 128  # rows from which oneDNN runs (below: the panel kernel)
 LARGE_M = 512  # rows from which MKL runs, on CPUs where it beats oneDNN (`mkl_from_rows`)
