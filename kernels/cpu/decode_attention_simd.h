@@ -14,11 +14,15 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
 namespace pagoda::decode_simd {
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define PAGODA_DECODE_AVX2 1
+#endif
 
 // Loads every cache line of `n` rows (`floats` floats each, `row` floats apart) once, discarding the data.
 // NOTE: why: decode attention is bound by the K/V reads, and a dense run of independent loads keeps many more
@@ -47,6 +51,24 @@ inline void touch_rows(const T* p, int64_t n, int64_t row, int64_t elems) {
       if (i + kLine < elems) a1 = _mm512_or_si512(a1, _mm512_loadu_si512(r + elems - kLine));
     }
     asm volatile("" : : "v"(a0), "v"(a1));
+    return;
+  }
+#elif defined(PAGODA_DECODE_AVX2)
+  constexpr int64_t kHalf = kLine / 2;  // one 32-byte load per 64-byte line
+  if (elems >= kHalf) {
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+    for (int64_t t = 0; t < n; ++t) {
+      const T* r = p + t * row;
+      int64_t i = 0;
+      for (; i + 2 * kLine <= elems; i += 2 * kLine) {
+        a0 = _mm256_or_si256(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i)));
+        a1 = _mm256_or_si256(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + i + kLine)));
+      }
+      for (; i < elems; i += kLine)  // the rest of the row: 32-byte loads, never past its end
+        a0 = _mm256_or_si256(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + std::min(i, elems - kHalf))));
+      a1 = _mm256_or_si256(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + elems - kHalf)));
+    }
+    asm volatile("" : : "x"(a0), "x"(a1));
     return;
   }
 #endif
@@ -215,12 +237,69 @@ inline void accumulate_slice(const float* const* p, int64_t G, const T* v, int64
 }
 #endif
 
+#if defined(PAGODA_DECODE_AVX2)
+// 8 K/V elements as fp32 (a bf16 cache's widened exactly).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+
+// q . k_t for R rows (R <= 4), each one chain of FMAs over head_dim in 8-lane steps, then the 8 lanes summed as
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) (two hadds and the halves' add): the same tree for every row
+// count R, so a score's bits do not depend on how rows are grouped.
+template <int R, typename T>
+inline void score_group(const float* q, const T* k, int64_t row, int64_t D, float scale, float* scores) {
+  __m256 acc[4];
+#pragma GCC unroll 4
+  for (int t = 0; t < R; ++t) acc[t] = _mm256_mul_ps(_mm256_loadu_ps(q), load8(k + t * row));
+  for (int64_t d = 8; d < D; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 4
+    for (int t = 0; t < R; ++t) acc[t] = _mm256_fmadd_ps(qd, load8(k + t * row + d), acc[t]);
+  }
+#pragma GCC unroll 4
+  for (int t = R; t < 4; ++t) acc[t] = _mm256_setzero_ps();
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  float out[4];
+  _mm_storeu_ps(out, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(scale)));
+  for (int t = 0; t < R; ++t) scores[t] = out[t];
+}
+
+// o[g][0, 16) += sum_t p[g][t] * v_t[0, 16) for GG query heads (GG <= 4): one FMA chain per element over t, as the
+// portable loop; 2 x GG accumulators in registers, each V row's 16 elements loaded once for the group.
+template <int GG, typename T>
+inline void accumulate16(const float* const* p, const T* v, int64_t n, int64_t row, int64_t d, float* const* o) {
+  __m256 a[4][2];
+#pragma GCC unroll 4
+  for (int g = 0; g < GG; ++g) a[g][0] = _mm256_loadu_ps(o[g] + d), a[g][1] = _mm256_loadu_ps(o[g] + d + 8);
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 v0 = load8(v + t * row + d), v1 = load8(v + t * row + d + 8);
+#pragma GCC unroll 4
+    for (int g = 0; g < GG; ++g) {
+      const __m256 pt = _mm256_broadcast_ss(p[g] + t);
+      a[g][0] = _mm256_fmadd_ps(pt, v0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(pt, v1, a[g][1]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < GG; ++g) _mm256_storeu_ps(o[g] + d, a[g][0]), _mm256_storeu_ps(o[g] + d + 8, a[g][1]);
+}
+#endif
+
 // scores[t] = scale * q . k_t for n K rows `row` floats apart.
 template <typename T>
 inline void score_rows(const float* q, const T* k, int64_t n, int64_t row, int64_t D, float scale, float* scores) {
 #if defined(__AVX512F__)
   if (n == 16 && D == 64) return score16<4>(q, k, row, scale, scores);
   if (n == 16 && D == 128) return score16<8>(q, k, row, scale, scores);
+#elif defined(PAGODA_DECODE_AVX2)
+  if (D % 8 == 0) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) score_group<4>(q, k + t * row, row, D, scale, scores + t);
+    for (; t < n; ++t) score_group<1>(q, k + t * row, row, D, scale, scores + t);
+    return;
+  }
 #endif
   for (int64_t t = 0; t < n; ++t) scores[t] = pagoda::dot(q, k + t * row, D) * scale;  // ops.h, per type
 }
@@ -232,6 +311,20 @@ inline void accumulate_rows(const float* const* p, int64_t G, const T* v, int64_
 #if defined(__AVX512F__)
   if (D == 64) return accumulate_heads<4, 4>(p, G, v, n, row, o);
   if (D == 128) return accumulate_heads<8, 2>(p, G, v, n, row, o);
+#elif defined(PAGODA_DECODE_AVX2)
+  if (D % 16 == 0) {
+    for (int64_t g = 0; g < G; g += 4) {
+      for (int64_t d = 0; d < D; d += 16) {
+        switch (std::min<int64_t>(4, G - g)) {
+          case 1: accumulate16<1>(p + g, v, n, row, d, o + g); break;
+          case 2: accumulate16<2>(p + g, v, n, row, d, o + g); break;
+          case 3: accumulate16<3>(p + g, v, n, row, d, o + g); break;
+          default: accumulate16<4>(p + g, v, n, row, d, o + g); break;
+        }
+      }
+    }
+    return;
+  }
 #endif
   for (int64_t g = 0; g < G; ++g) {
     float* og = o[g];
@@ -253,9 +346,19 @@ inline float max_of(const float* x, int64_t n) {
   __m512 mv = _mm512_set1_ps(m);
   for (; l + 16 <= n; l += 16) mv = _mm512_max_ps(mv, _mm512_loadu_ps(x + l));
   m = _mm512_reduce_max_ps(mv);
+#elif defined(PAGODA_DECODE_AVX2)
+  if (n >= 8) {
+    __m256 mv = _mm256_set1_ps(m);
+    for (; l + 8 <= n; l += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + l));
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    const __m128 h2 = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    m = _mm_cvtss_f32(_mm_max_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+  }
 #endif
   for (; l < n; ++l) m = std::max(m, x[l]);
   return m;
 }
+
+#undef PAGODA_DECODE_AVX2
 
 }  // namespace pagoda::decode_simd
