@@ -262,7 +262,8 @@ inline void score_group(const float* q, const T* k, int64_t row, int64_t D, floa
   for (int t = R; t < 4; ++t) acc[t] = _mm256_setzero_ps();
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
   float out[4];
-  _mm_storeu_ps(out, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(scale)));
+  const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  _mm_storeu_ps(out, _mm_mul_ps(sums, _mm_set1_ps(scale)));
   for (int t = 0; t < R; ++t) scores[t] = out[t];
 }
 
