@@ -121,7 +121,7 @@ def bench_kquants(rows: list[int]) -> list[dict[str, object]]:
 
 
 def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
-    from engine_core.model.layers.cpu_bfloat16 import bf16_gemm_unsupported, this_cpu_flags
+    from engine_core.model.layers.cpu_bfloat16 import cpu_bf16_gemms, this_cpu_flags
     from engine_core.model.layers.cpu_int8 import int8_unsupported
     from engine_core.model.layers.int8_gemm import Int8Weight, int8_gemm, quantize_per_channel
     from kernels import cpu as cpu_kernels
@@ -129,9 +129,8 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
 
     # NOTE: the bf16 and int8 columns need their instructions (oneDNN refuses bf16 weights without AVX-512 or
     # AVX-NE-CONVERT; int8 is refused at load without VNNI): where the CPU lacks them they print "-".
-    flags = this_cpu_flags()
-    has_bf16 = bf16_gemm_unsupported(flags, torch.ops.mkldnn._is_mkldnn_bf16_supported()) is None
-    has_int8 = int8_unsupported(flags) is None
+    has_bf16 = cpu_bf16_gemms()  # the engine's own check for dtype="bfloat16"
+    has_int8 = int8_unsupported(this_cpu_flags()) is None
     torch.manual_seed(0)
     # NOTE: GGUF-decoded random weights (Q4_1 layers, Q8_0 LM head, as the default model's), so that every kernel,
     # the coded one included, runs the same values
