@@ -217,6 +217,21 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
       continue;
     }
 #endif
+#if defined(PAGODA_PREFILL_VEXP)
+    // The same arithmetic a vector of rows at a time (R is a multiple of kW): each lane's sum in the same key order.
+    for (int64_t r0 = 0; r0 < R; r0 += kW) {
+      const vec mr = load(m + r0), zero{};
+      vec sum = load(l + r0);
+      for (int64_t j = 0; j < nk; ++j) {
+        const vec x = load(s + j * R + r0);
+        const auto live = x != splat(kNegInf);
+        const vec p = live ? vexp(live ? x - mr : zero) : zero;
+        store(s + j * R + r0, p);
+        sum += p;
+      }
+      store(l + r0, sum);
+    }
+#else
     for (int64_t j = 0; j < nk; ++j) {
       float* sj = s + j * R;
 #pragma omp simd
@@ -227,6 +242,7 @@ void attend(const PrefillArgs& a, const Item& it, int64_t R, Scratch& w) {
         l[r] += sj[r];
       }
     }
+#endif
     // O = alpha * O + P V, in blocks of kMr rows x kNc vectors of columns.
     // Keys past `visible` have p = 0 exactly: skipping them changes nothing.
     for (int64_t r0 = 0; r0 < R; r0 += kMr) {

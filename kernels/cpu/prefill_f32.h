@@ -39,6 +39,15 @@ inline vec splat_impl(float x, std::index_sequence<I...>) {
 }
 inline vec splat(float x) { return splat_impl(x, std::make_index_sequence<kW>{}); }
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define PAGODA_PREFILL_VEXP 1
+// libmvec's AVX2 expf (glibc's vector-ABI name), the variant GCC's vectorised loops call at this width.
+// NOTE: called by hand because GCC leaves a loop with a select around expf scalar on AVX2 ("control flow in loop":
+// without mask registers it will not if-convert the call), and tunes Zen 1-3 to 128-bit vectors elsewhere.
+extern "C" vec _ZGVdN8v_expf(vec) noexcept;
+inline vec vexp(vec x) { return _ZGVdN8v_expf(x); }
+#endif
+
 // s[j * ldS + r] = sum_d k_j[d] * qt[d * ldQ + r] for rows r in [0, 2 * kW) and kJr keys (one FMA chain over d).
 #define S_ACC(j)                         \
   {                                      \
