@@ -286,6 +286,30 @@ inline void accumulate16(const float* const* p, const T* v, int64_t n, int64_t r
 #pragma GCC unroll 4
   for (int g = 0; g < GG; ++g) _mm256_storeu_ps(o[g] + d, a[g][0]), _mm256_storeu_ps(o[g] + d + 8, a[g][1]);
 }
+
+// o[g][d0, d1) += sum_t p[g][t] * v_t[d0, d1) for the G query heads of one KV head (d0, d1 multiples of 16): the
+// 16-column slices in turn, up to 4 heads at a time.
+template <typename T>
+inline void accumulate_cols(const float* const* p, int64_t G, const T* v, int64_t n, int64_t row, int64_t d0,
+                            int64_t d1, float* const* o) {
+  for (int64_t g = 0; g < G; g += 4) {
+    for (int64_t d = d0; d < d1; d += 16) {
+      switch (std::min<int64_t>(4, G - g)) {
+        case 1: accumulate16<1>(p + g, v, n, row, d, o + g); break;
+        case 2: accumulate16<2>(p + g, v, n, row, d, o + g); break;
+        case 3: accumulate16<3>(p + g, v, n, row, d, o + g); break;
+        default: accumulate16<4>(p + g, v, n, row, d, o + g); break;
+      }
+    }
+  }
+}
+
+// accumulate_slice's AVX2 form (o and v point at the slice): each element's FMA chain as accumulate_rows runs it.
+template <typename T>
+inline void accumulate_slice(const float* const* p, int64_t G, const T* v, int64_t n, int64_t row, int64_t vectors,
+                             float* const* o, std::vector<float*>& /*shifted*/) {
+  accumulate_cols(p, G, v, n, row, 0, 16 * vectors, o);
+}
 #endif
 
 // scores[t] = scale * q . k_t for n K rows `row` floats apart.
@@ -313,19 +337,7 @@ inline void accumulate_rows(const float* const* p, int64_t G, const T* v, int64_
   if (D == 64) return accumulate_heads<4, 4>(p, G, v, n, row, o);
   if (D == 128) return accumulate_heads<8, 2>(p, G, v, n, row, o);
 #elif defined(PAGODA_DECODE_AVX2)
-  if (D % 16 == 0) {
-    for (int64_t g = 0; g < G; g += 4) {
-      for (int64_t d = 0; d < D; d += 16) {
-        switch (std::min<int64_t>(4, G - g)) {
-          case 1: accumulate16<1>(p + g, v, n, row, d, o + g); break;
-          case 2: accumulate16<2>(p + g, v, n, row, d, o + g); break;
-          case 3: accumulate16<3>(p + g, v, n, row, d, o + g); break;
-          default: accumulate16<4>(p + g, v, n, row, d, o + g); break;
-        }
-      }
-    }
-    return;
-  }
+  if (D % 16 == 0) return accumulate_cols(p, G, v, n, row, 0, D, o);
 #endif
   for (int64_t g = 0; g < G; ++g) {
     float* og = o[g];
@@ -360,6 +372,9 @@ inline float max_of(const float* x, int64_t n) {
   return m;
 }
 
+#if defined(__AVX512F__) || defined(PAGODA_DECODE_AVX2)
+#define PAGODA_DECODE_SLICES 1  // accumulate_slice exists: paged_attention.cpp's attend_lone splits V by slices
+#endif
 #undef PAGODA_DECODE_AVX2
 
 }  // namespace pagoda::decode_simd

@@ -192,8 +192,7 @@ void attend(const DecodeArgs<T>& a, int64_t b, int64_t h0, int64_t h1, Scratch& 
   }
 }
 
-
-#if defined(__AVX512F__)
+#if defined(PAGODA_DECODE_SLICES)
 // One sequence's attention on every thread (batch 1): split by KV head, 3 KV heads gave one core two strided walks
 // and the other one. Here the threads share the whole-row walks, with the same arithmetic for each output as
 // `attend` (so the bits do not depend on the thread count): the K walk split by token ranges that start where the
@@ -318,7 +317,7 @@ void decode_all(const DecodeArgs<T>& args, int64_t B, int64_t HKV) {
   // of the rows (strided, untouched); whole rows are contiguous and touched first. Measured at batch 1 (SmolLM2,
   // ~190 tokens of context, 1 thread, thread CPU time): the 30 layers' attention 1.21-1.51 -> 0.87 ms per token.
   const int64_t nthreads = at::get_num_threads();
-#if defined(__AVX512F__)
+#if defined(PAGODA_DECODE_SLICES)
   if (B == 1 && !at::in_parallel_region() && attend_lone(args, 0, nthreads)) return;
 #endif
   const int64_t heads_per_unit = B >= 2 * nthreads || nthreads == 1 ? HKV : 1;
