@@ -44,6 +44,7 @@ inline vec splat(float x) { return splat_impl(x, std::make_index_sequence<kW>{})
 // libmvec's AVX2 expf (glibc's vector-ABI name), the variant GCC's vectorised loops call at this width.
 // NOTE: called by hand because GCC leaves a loop with a select around expf scalar on AVX2 ("control flow in loop":
 // without mask registers it will not if-convert the call), and tunes Zen 1 to 128-bit vectors elsewhere.
+static_assert(kW == 8, "_ZGVdN8v_expf takes 8 floats");
 extern "C" vec _ZGVdN8v_expf(vec) noexcept;
 inline vec vexp(vec x) { return _ZGVdN8v_expf(x); }
 #endif
