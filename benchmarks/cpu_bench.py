@@ -6,6 +6,7 @@
   panel kernel (`panel_linear`, weight packed once into 16-column panels, meant for decode-sized row counts) and,
   up to 64 rows, the coded kernel (`coded_linear`: the same weights read as GGUF blocks, Q4_1 for the layers and
   Q8_0 for the LM head as in the default model; every kernel runs the same random weights, which are such blocks),
+  the layers' 4-bit codes with 8-bit activations (`a8`: `coded_a8_linear`, quantization="gguf_a8", AVX2 + FMA),
   bf16 oneDNN (as `dtype="bfloat16"` runs it) and the two int8 kernels of `quantization="int8"` on the same weights
   quantized per channel (`w8`: weight-only, activations in 16 bits per token on VNNI, float32 without it; `w8a8`:
   int8 activations with per-token scales, VNNI; both kernels/cpu/int8_ops.cpp);
@@ -131,6 +132,7 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
     # AVX-NE-CONVERT; int8 is refused at load without VNNI): where the CPU lacks them they print "-".
     has_bf16 = cpu_bf16_gemms()  # the engine's own check for dtype="bfloat16"
     has_int8 = int8_unsupported(this_cpu_flags()) is None
+    has_a8 = cpu_kernels.coded_a8_supported()  # quantization="gguf_a8": AVX2 + FMA builds
     torch.manual_seed(0)
     # NOTE: GGUF-decoded random weights (Q4_1 layers, Q8_0 LM head, as the default model's), so that every kernel,
     # the coded one included, runs the same values
@@ -157,8 +159,8 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
     lm_coded = (cpu_kernels.coded_pack(lm), VOCAB)
     rows_out: list[dict[str, object]] = []
     print(
-        "rows | 30 layers: mkl, onednn, panel, coded, bf16, w8, w8a8 | lm head: mkl, onednn, panel, coded, bf16, w8, "
-        "w8a8   (ms)"
+        "rows | 30 layers: mkl, onednn, panel, coded, a8, bf16, w8, w8a8 | lm head: mkl, onednn, panel, coded, bf16, "
+        "w8, w8a8   (ms)"
     )
     mkl = torch.nn.functional.linear
 
@@ -178,6 +180,9 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
     def coded_op(x: torch.Tensor, w: tuple[torch.Tensor, int]) -> torch.Tensor:
         return cpu_kernels.coded_linear(x, w[0], w[1], None)
 
+    def a8_op(x: torch.Tensor, w: tuple[torch.Tensor, int]) -> torch.Tensor:
+        return cpu_kernels.coded_a8_linear(x, w[0], w[1], None)
+
     def layers(op: Callable[..., object], weights: list[list[torch.Tensor]], xs: dict[int, torch.Tensor]) -> None:
         for ws in weights:
             for (i, _), w in zip(LAYER_SHAPES, ws, strict=True):
@@ -192,6 +197,7 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
             row["layers_onednn_ms"] = timed(partial(layers, dnn, packed, xs))
             row["layers_panel_ms"] = timed(partial(layers, panel, panels, xs))
             row["layers_coded_ms"] = timed(partial(layers, coded_op, coded, xs))
+            row["layers_a8_ms"] = timed(partial(layers, a8_op, coded, xs)) if has_a8 else None
             row["layers_bf16_ms"] = timed(partial(layers, dnn_bf16, bf16, xs)) if has_bf16 else None
             row["layers_w8_ms"] = timed(partial(layers, int8_op, w8, xs)) if has_int8 else None
             row["layers_w8a8_ms"] = timed(partial(layers, int8_op, w8a8, xs)) if has_int8 else None

@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kv-cache-gib", type=float, default=2.0)
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 (Pagoda, vLLM)")
-    ap.add_argument("--quantization", default="none", help="none | int8 (Pagoda)")
+    ap.add_argument("--quantization", default="none", help="none | int8 | gguf_a8 (Pagoda)")
     ap.add_argument("--batch1-repeats", type=int, default=2)
     ap.add_argument("--hf-batch", type=int, default=16, help="transformers: static batch size")
     args = ap.parse_args()

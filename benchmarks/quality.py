@@ -10,6 +10,7 @@ Formats (`--formats`, the first is the reference of the agreement columns):
 - `float32`: the model's float32 safetensors export (benchmarks/peer_model.py: the GGUF blocks decoded, bit for bit
   transformers' tensors), run without codes (float32 panels / oneDNN);
 - `gguf`: the `.gguf` model itself, `quantization="gguf"` (the weights computed from their codes);
+- `gguf_a8`: the `.gguf` model with `quantization="gguf_a8"` (its 4-bit codes times 8-bit activations);
 - `int8`: the float32 export with `quantization="int8"` (per-channel int8 weights, W8A8 from a few rows);
 - a path ending in `.gguf`: that file, computed from its codes; `--gguf-types Q4_K_M,...` adds the default model
   quantized by llama.cpp's own quantizer to each type (benchmarks/kquant_files.py: from a float32 GGUF of the
@@ -22,7 +23,7 @@ For the GGUF formats, `--transformers` also checks that the greedy outputs equal
 the same file (tests/hf_reference.py's `hf_greedy`), and `--llama-cpp` counts the prompts whose greedy outputs equal
 llama.cpp's on the same file (the peer of benchmarks/peers/install_llama_cpp.sh; informative, no test depends on it).
 
-    PYTHONPATH=$PWD python benchmarks/quality.py [--formats float32,gguf,float32:bfloat16,int8] [--dtype auto]
+    PYTHONPATH=$PWD python benchmarks/quality.py [--formats float32,gguf,gguf_a8,float32:bfloat16,int8] [--dtype auto]
         [--gguf-types Q4_K_M,Q5_K_M,Q6_K,Q8_0] [--transformers] [--llama-cpp [--llama-venv DIR]]
 """
 
@@ -71,7 +72,7 @@ def run_format(
     from tests.test_greedy_equality import GREEDY
 
     weights, dtype, kv_cache_dtype = (name.split(":") + [args.dtype, "auto"][name.count(":") :])[:3]
-    quantization = "gguf" if weights.endswith(".gguf") else weights if weights in ("gguf", "int8") else None
+    quantization = "gguf" if weights.endswith(".gguf") else weights if weights in ("gguf", "gguf_a8", "int8") else None
     t0 = time.perf_counter()
     llm = LLM(
         model,
@@ -157,7 +158,7 @@ def main() -> None:
     cache = default_cache_dir()
     model_dir = resolve_model_dir(args.model, cache)
     export = peer_model_dir(model_dir, cache)
-    models = {"gguf": model_dir, "float32": export, "int8": export}
+    models = {"gguf": model_dir, "gguf_a8": model_dir, "float32": export, "int8": export}
     text, digest = public_text()
     tokenizer = load_tokenizer(model_dir, cache)
     texts = windows(tokenizer.encode(text), args.window, args.max_windows)

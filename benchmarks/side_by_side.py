@@ -348,7 +348,7 @@ def main() -> None:
     ap.add_argument(
         "--quantizations",
         default="none",
-        help="comma list of none, int8 (int8: Pagoda only, with dtype float32; vLLM runs none)",
+        help="comma list of none, int8, gguf_a8 (Pagoda only, with dtype float32; vLLM runs none)",
     )
     ap.add_argument("--batch1-repeats", type=int, default=2)
     ap.add_argument(

@@ -31,8 +31,10 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 # NOTE: vLLM's names; its fp8 caches have no CPU kernels here and are refused by name.
 _KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 # vLLM's names (int8: quantized per output channel at load; compressed-tensors: a checkpoint already int8 in that
-# format, which also runs as int8); None: the checkpoint's own format (gguf for a .gguf model)
-QUANTIZATIONS = ("gguf", "int8", "compressed-tensors")
+# format, which also runs as int8); None: the checkpoint's own format (gguf for a .gguf model). gguf_a8 (no vLLM
+# name: vLLM's GGUF kernels do this unasked, `ggml_mul_mat_a8`): a .gguf model's 4-bit codes times activations
+# quantized to 8 bits per 32-k block, in integer dot products (model/layers/gguf_a8.py).
+QUANTIZATIONS = ("gguf", "gguf_a8", "int8", "compressed-tensors")
 _POLICIES = ("fcfs", "priority")
 _BACKENDS = ("cpu", "torch", "triton")
 
@@ -51,7 +53,9 @@ class EngineConfig:
     # naming it makes a non-GGUF model an error at load instead of a silent float32 run.
     # int8 (CPU, AVX-512 VNNI): model/layers/cpu_int8.py; CUDA: layers/cuda_codes.py; float32 stays the default.
     quantization: str | None = _opt(
-        None, "gguf (default for a .gguf model) | int8 | compressed-tensors; none: the checkpoint's own format"
+        None,
+        "gguf (default for a .gguf model) | gguf_a8 (a .gguf model on CPU: 8-bit activations, faster, not float32's "
+        "bits) | int8 | compressed-tensors; none: the checkpoint's own format",
     )
     device: str = _opt("cpu", "cpu | cuda | cuda:N")
     seed: int = _opt(0, "seed of the shared sampling generator")
@@ -103,6 +107,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
+        if self.quantization == "gguf_a8" and self.dtype not in ("auto", "float32"):
+            raise ValueError(f"quantization='gguf_a8' runs float32 activations; dtype={self.dtype!r} cannot go with it")
         if self.scheduling_policy not in _POLICIES:
             raise ValueError(f"scheduling_policy must be one of {_POLICIES}, got {self.scheduling_policy!r}")
         if self.attention_backend is not None and self.attention_backend not in _BACKENDS:

@@ -165,3 +165,32 @@ def ref_coded_matmul(
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+def ref_a8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x `[M, K]` float32 as `coded_a8_linear` quantizes it per 32-k block: (codes `[M, K]` in -127..127, the scales
+    `[M, K/32]` max|x| / 127, the blocks' float32 sums in the kernel's order: 4 vectors of 8 added pairwise, then
+    their 8 lanes in turn)."""
+    m, k = x.shape
+    b = x.float().reshape(m, k // 32, 32)
+    d = b.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(b * inv.unsqueeze(-1))  # half to even, as the kernel's conversion
+    v = b.reshape(m, k // 32, 4, 8)
+    lanes = (v[:, :, 0] + v[:, :, 1]) + (v[:, :, 2] + v[:, :, 3])
+    s = torch.zeros(m, k // 32)
+    for i in range(8):
+        s = s + lanes[:, :, i]
+    return q.reshape(m, k), d, s
+
+
+def ref_coded_a8_matmul(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`coded_a8_linear` in float64: per block, the exact integer dot product of x's 8-bit codes with the 4-bit
+    weight codes (w = scale * q + offset per 32 k) times both scales, plus offset times the block's sum of x."""
+    qa, da, sa = ref_a8_quantize(x)
+    m, n = x.shape[0], codes.shape[0]
+    dots = torch.einsum("mbk,nbk->mnb", qa.double().view(m, -1, 32), codes.double().view(n, -1, 32))
+    y = (dots * (scales.double()[None] * da.double()[:, None]) + offsets.double()[None] * sa.double()[:, None]).sum(-1)
+    return y if bias is None else y + bias.double()

@@ -183,7 +183,7 @@ def _parser() -> argparse.ArgumentParser:
         "--quantization",
         default=field_default("quantization"),
         choices=QUANTIZATIONS,
-        help="gguf (a .gguf model) | int8 | compressed-tensors",
+        help="gguf (a .gguf model) | gguf_a8 (a .gguf model, 8-bit activations) | int8 | compressed-tensors",
     )
     serve.add_argument(
         "--kv-cache-memory", type=float, default=field_default("kv_cache_memory"), help="GiB of KV cache per worker"

@@ -76,6 +76,7 @@ class NativeDecodeStep:
             onednn_m=rows.onednn_m,
             large_m=rows.large_m,
             w8a8_m=w8a8_m,
+            a8_m=rows.a8_m,
         )
         self.head = _int8_head(model, forms)
 

@@ -14,16 +14,19 @@ from engine_core.checkpoint.model_config import read_config_json
 from engine_core.model.compressed_tensors_weights import iter_int8_checkpoint
 from engine_core.model.layers.cpu_bfloat16 import this_cpu_flags
 from engine_core.model.layers.cpu_int8 import int8_unsupported
+from engine_core.model.layers.gguf_a8 import gguf_a8_unsupported
 
 log = structlog.get_logger(__name__)
 
 
 @dataclass(frozen=True)
 class WeightFormat:
-    """`int8`: the linears run int8 (cpu_int8.py); `checkpoint`: the checkpoint's own int8 scheme, if it has one."""
+    """`int8`: the linears run int8 (cpu_int8.py); `checkpoint`: the checkpoint's own int8 scheme, if it has one;
+    `a8`: 4-bit GGUF codes run with 8-bit activations (gguf_a8.py)."""
 
     int8: bool
     checkpoint: CompressedTensorsInt8 | None
+    a8: bool = False
 
     def weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as the model's loader takes them (int8 weights and scales merged to float32)."""
@@ -51,6 +54,11 @@ def resolve_weight_format(
         reason = int8_unsupported(this_cpu_flags() if cpu_flags is None else cpu_flags)
         if reason is not None:
             raise ValueError(reason)
+    if quantization == "gguf_a8":
+        reason = gguf_a8_unsupported(device, this_cpu_flags() if cpu_flags is None else cpu_flags)
+        if reason is not None:
+            raise ValueError(reason)
+        return WeightFormat(int8=False, checkpoint=None, a8=True)
     if checkpoint is not None:
         log.info("compressed-tensors int8 checkpoint", w8a8=checkpoint.w8a8, ignore=list(checkpoint.ignore))
     return WeightFormat(int8=int8, checkpoint=checkpoint)

@@ -84,8 +84,10 @@ class ModelRunner:
         self.dtype, self.gemm_dtype = runner_dtypes(config, self.device)
         if self.device.type == "cpu":
             set_cpu_threads(config, self.tp)
-        if config.quantization == "gguf" and gguf_file(model_dir) is None:
-            raise ValueError(f"quantization='gguf' needs a .gguf model; {config.model or model_dir} has none")
+        if config.quantization in ("gguf", "gguf_a8") and gguf_file(model_dir) is None:
+            raise ValueError(
+                f"quantization={config.quantization!r} needs a .gguf model; {config.model or model_dir} has none"
+            )
         weight_format = resolve_weight_format(config.quantization, model_dir, self.device)
         prefetch_weights(model_dir)  # the disk read overlaps the config import and the model's construction
         hf = load_config(model_dir)
@@ -118,7 +120,9 @@ class ModelRunner:
         model.load_weights(weight_format.weights(iter_weights(model_dir, hf, with_codes=True, legacy_codes=cuda)))
         self.model = model.to(dtype=self.dtype).eval()
         # NOTE: after the dtype cast: each linear's method keeps its weight in the form(s) its kernels read, once.
-        linear_method = select_linear_method(self.device, self.dtype, gemm_rows, self.gemm_dtype, weight_format.int8)
+        linear_method = select_linear_method(
+            self.device, self.dtype, gemm_rows, self.gemm_dtype, weight_format.int8, weight_format.a8
+        )
         process_linear_weights(self.model, linear_method)
         self.model.embed_from_lm_head_codes()  # NOTE: the tied table kept once, as the LM head's codes
         # The step functions (step_functions.py): the model's forward serves every step; `decode_step`, where set,

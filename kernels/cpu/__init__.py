@@ -27,6 +27,7 @@ _SOURCES = [
         "fused_ops.cpp",
         "panel_linear.cpp",
         "coded_linear.cpp",
+        "coded_a8_linear.cpp",
         "int8_ops.cpp",
         "bf16_linear.cpp",
         "decode_step.cpp",
@@ -247,6 +248,27 @@ def coded_linear(x: torch.Tensor, records: torch.Tensor, n: int, bias: torch.Ten
     return out
 
 
+CODED_A8_RECORD = 384  # bytes of a 4-bit record (coded_linear.cpp): d[16], m[16] float32, 256 bytes of codes
+
+
+def coded_a8_supported() -> bool:
+    """Whether `coded_a8_linear` runs here (AVX2 + FMA builds)."""
+    return bool(torch.ops.pagoda_cpu.coded_a8_supported())
+
+
+def coded_a8_reads(records: torch.Tensor) -> bool:
+    """Whether `coded_a8_linear` reads these `coded_pack` records: 4-bit ones (Q4_0, Q4_1, Q4_K)."""
+    return records.dim() == 3 and records.shape[2] == CODED_A8_RECORD
+
+
+def coded_a8_linear(x: torch.Tensor, records: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ W.T + bias` approximately, W `[n, K]` as 4-bit `coded_pack` records (Q4_0 / Q4_1 / Q4_K) and x quantized
+    to int8 per 32-k block, in integer dot products (kernels/cpu/coded_a8_linear.cpp)."""
+    out = torch.empty((x.shape[0], n), dtype=torch.float32, device=x.device)
+    torch.ops.pagoda_cpu.coded_a8_linear(out, x, records, bias)
+    return out
+
+
 def int8_linear(
     x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, w8a8_m: int
 ) -> torch.Tensor:
@@ -294,6 +316,7 @@ class DecodeLayerWeights:
     onednn_m: int
     large_m: int
     w8a8_m: int  # int8 weights: weight-only below, W8A8 from here
+    a8_m: int  # 4-bit codes: `coded_a8_linear` from here (quantization="gguf_a8"), `coded_linear` below
 
 
 def decode_layers(
@@ -333,6 +356,7 @@ def decode_layers(
         layers.onednn_m,
         layers.large_m,
         layers.w8a8_m,
+        layers.a8_m,
     )
 
 

@@ -24,6 +24,7 @@ struct Gemms {
   // onednn_m: oneDNN; from large_m: MKL (model/layers/cpu_forms.py's `cpu_gemm`, in the same order)
   int64_t coded_m, onednn_m, large_m;
   int64_t w8a8_m;  // int8 weights: weight-only below, W8A8 from here (int8_ops.cpp)
+  int64_t a8_m;    // 4-bit codes: coded_a8_linear from here (quantization="gguf_a8"), coded_linear below
 };
 
 // One projection's weight, in the forms its dispatch reads (an absent form is one no row count reaches).
@@ -49,6 +50,12 @@ at::Tensor project(const Gemms& g, const at::Tensor& x, const Forms& w, const c1
     return out;
   }
   // each row count takes the first form of codes, panels, oneDNN it reaches that the weight has
+  if (rows >= g.a8_m && w.coded.has_value() && pagoda::coded_a8_reads(*w.coded)) {
+    const at::Tensor x32 = x.to(at::kFloat);
+    at::Tensor out = at::empty({rows, w.out_features}, x32.options());
+    pagoda::coded_a8_linear(out, x32, *w.coded, bias);
+    return out;
+  }
   if (rows < g.coded_m && w.coded.has_value()) {
     const at::Tensor x32 = x.to(at::kFloat);
     at::Tensor out = at::empty({rows, w.out_features}, x32.options());
@@ -108,7 +115,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
                                                  at::TensorList qkv_biases, int64_t num_heads,
                                                  int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                                                  int64_t coded_m, int64_t onednn_m, int64_t large_m,
-                                                 int64_t w8a8_m) {
+                                                 int64_t w8a8_m, int64_t a8_m) {
   const int64_t L = static_cast<int64_t>(kv_caches.size());
   const size_t P = static_cast<size_t>(4 * L);
   TORCH_CHECK(norms.size() == static_cast<size_t>(2 * L) && out_features.size() == P && plain.size() == P &&
@@ -119,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(at::Tensor h, const at::Tensor&
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous(), "decode_layers: h must be a contiguous [tokens, hidden]");
   const int64_t B = h.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   const auto opts = h.options();
-  const Gemms gemms{coded_m, onednn_m, large_m, w8a8_m};
+  const Gemms gemms{coded_m, onednn_m, large_m, w8a8_m, a8_m};
   // NOTE: the List elements are read into locals once: `Forms` holds references to them.
   std::vector<c10::optional<at::Tensor>> plain_v(plain.begin(), plain.end()), panels_v(panels.begin(), panels.end());
   std::vector<c10::optional<at::Tensor>> coded_v(coded.begin(), coded.end()), onednn_v(onednn.begin(), onednn.end());
@@ -204,7 +211,7 @@ TORCH_LIBRARY_FRAGMENT(pagoda_cpu, m) {
       "Tensor seq_lens, Tensor[] norms, int[] out_features, Tensor?[] plain, Tensor?[] panels, Tensor?[] coded, "
       "Tensor?[] onednn, Tensor?[] int8_codes, Tensor?[] int8_scales, "
       "Tensor[] qkv_biases, int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int coded_m, "
-      "int onednn_m, int large_m, int w8a8_m) -> (Tensor, Tensor)");
+      "int onednn_m, int large_m, int w8a8_m, int a8_m) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(pagoda_cpu, CPU, m) { m.impl("decode_layers", &pagoda::decode_layers); }

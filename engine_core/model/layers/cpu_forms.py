@@ -66,12 +66,14 @@ def pack_forms(weight: torch.Tensor, rows: CpuGemmRows, coded: torch.Tensor | No
 
 def cpu_gemm(forms: CpuWeightForms, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`x @ W.T + bias` through the form this row count reads (the same order as decode_step.cpp's `project`): each
-    row count takes the first form of codes, panels, oneDNN it reaches that the weight has (int8 weights: their own
-    dispatch, int8_gemm.py)."""
+    row count takes the first form of codes (4-bit ones with 8-bit activations from `a8_m`), panels, oneDNN it
+    reaches that the weight has (int8 weights: their own dispatch, int8_gemm.py)."""
     if forms.int8 is not None:
         return int8_gemm(forms.int8, x, bias)
     m = x.shape[0]
     rows = forms.rows
+    if m >= rows.a8_m and forms.coded is not None and cpu_kernels.coded_a8_reads(forms.coded):
+        return cpu_kernels.coded_a8_linear(_float_rows(x), forms.coded, forms.out_features, bias)
     if m < rows.coded_m and forms.coded is not None:
         return cpu_kernels.coded_linear(_float_rows(x), forms.coded, forms.out_features, bias)
     if m < rows.onednn_m and forms.panels is not None:

@@ -74,6 +74,7 @@ class CpuGemmRows:
     coded_m: int
     onednn_m: int
     large_m: int
+    a8_m: int = NEVER  # rows from which 4-bit codes run with 8-bit activations (quantization="gguf_a8": gguf_a8.py)
 
     @staticmethod
     def for_this_cpu() -> CpuGemmRows:
