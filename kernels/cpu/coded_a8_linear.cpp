@@ -34,14 +34,15 @@
 
 namespace {
 
-constexpr int64_t kCols = 16;                       // columns per record (coded_linear.cpp's panel)
-constexpr int64_t kBlock = 32;                      // k per record
-constexpr int64_t kScaleBytes = 2 * kCols * 4;      // d[16], m[16] float32
+constexpr int64_t kCols = 16;                   // columns per record (coded_linear.cpp's panel)
+constexpr int64_t kBlock = 32;                  // k per record
+constexpr int64_t kScaleBytes = 2 * kCols * 4;  // d[16], m[16] float32
 constexpr int64_t kRecord = kScaleBytes + kBlock * kCols / 2;  // 384: 4-bit codes, low nibble k, high nibble k + 1
 static_assert(kRecord == 384, "ops.h's coded_a8_reads");
-constexpr int kTileRows = 4;                        // rows per micro-kernel call: 8 16-bit accumulators
-constexpr int64_t kChunkRows = 64;                  // rows per work item (a row chunk's activations stay in L1/L2)
-constexpr int64_t kGroupPanels = 8;                 // panels per work item at most (8 x K/32 x 384 bytes: 147 KB at K = 1536)
+constexpr int kTileRows = 4;        // rows per micro-kernel call: 8 16-bit accumulators
+constexpr int64_t kChunkRows = 64;  // rows per work item
+// panels per work item at most: their records (8 x K/32 x 384 bytes, 147 KB at K = 1536) stay in L2 across the rows
+constexpr int64_t kGroupPanels = 8;
 
 #if PAGODA_A8
 
@@ -162,7 +163,8 @@ void coded_a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& reco
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = records.size(0), nb = records.size(1);
   TORCH_CHECK(nb * kBlock == K && P == (N + kCols - 1) / kCols && out.size(0) == M,
               "coded_a8_linear: records must be [ceil(N/16), K/32, R] for x [M, K], out [M, N]");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(records.data_ptr<uint8_t>()) % 32 == 0, "coded_a8_linear: records not aligned");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(records.data_ptr<uint8_t>()) % 32 == 0,
+              "coded_a8_linear: records not aligned");
   const float* b = bias_data(bias, N, "coded_a8_linear");
   if (M == 0 || N == 0) return;
 #if PAGODA_A8

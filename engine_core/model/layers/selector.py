@@ -25,8 +25,8 @@ def select_linear_method(
     """CPU float32 (with oneDNN): the row-count dispatch, reading GGUF codes where a weight has them (`rows`: this
     CPU's thresholds unless given); with `gemm_dtype` bfloat16 (activations float32): bf16 weights through oneDNN
     (cpu_bfloat16.py); with `int8`: int8 weights (cpu_int8.py); with `a8`: 4-bit GGUF codes times 8-bit activations
-    (gguf_a8.py); CUDA: GGUF codes or (`int8`) int8 weights through
-    the coded Triton GEMM, other weights plain (cuda_codes.py); anything else: `F.linear` on the plain weight."""
+    (gguf_a8.py); CUDA: GGUF codes or (`int8`) int8 weights through the coded Triton GEMM, other weights plain
+    (cuda_codes.py); anything else: `F.linear` on the plain weight."""
     if device.type == "cuda":
         return CudaCodesMethod(int8)
     if not can_pack(device, dtype):
