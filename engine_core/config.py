@@ -32,7 +32,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_CACHE_DTYPES = ("auto", "bfloat16", "float32")
 # vLLM's names (int8: quantized per output channel at load; compressed-tensors: a checkpoint already int8 in that
 # format, which also runs as int8); None: the checkpoint's own format (gguf for a .gguf model). gguf_a8 (no vLLM
-# name: vLLM's GGUF kernels do this unasked, `ggml_mul_mat_a8`): a .gguf model's 4-bit codes times activations
+# name: vLLM's CUDA GGUF kernels do this unasked, `ggml_mul_mat_a8`): a .gguf model's 4-bit codes times activations
 # quantized to 8 bits per 32-k block, in integer dot products (model/layers/gguf_a8.py).
 QUANTIZATIONS = ("gguf", "gguf_a8", "int8", "compressed-tensors")
 _POLICIES = ("fcfs", "priority")

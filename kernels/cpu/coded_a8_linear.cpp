@@ -1,14 +1,14 @@
 // y ~= x @ W^T (+ b) with W's 4-bit GGUF codes (coded_linear.cpp's 4-bit records: Q4_0, Q4_1, Q4_K) multiplied by x
 // quantized to 8 bits per 32-k block, in integer dot products: `quantization="gguf_a8"` (model/layers/gguf_a8.py).
 //
-// Why: on a CPU without int8 or bf16 dot-product instructions (AVX2 + FMA: Zen 1-3, Haswell-Skylake client) a float32
-// GEMM is bound by its FMA ports (8 fp32 FMAs a cycle on Zen 1, ~80 % of which the panel kernel and oneDNN reach).
-// `vpmaddubsw` multiplies 32 unsigned by signed bytes per instruction and adds adjacent pairs into 16-bit lanes, and
-// a 4-bit code (0..15) times an 8-bit activation (|a| <= 127) summed over 16 products stays below 2^15, so each lane
-// accumulates a whole 32-k block in 16 bits: one multiply instruction per 32 products where float32 spends four
-// (docs/benchmarks.md, "gguf_a8 on AVX2"). This is what llama.cpp's CPU kernels and vLLM's GGUF kernels
-// (`ggml_mul_mat_a8`) compute: activations in 8 bits per block, so the output is not float32's (the quality table in
-// docs/benchmarks.md); the exact float32 path (`coded_linear`) stays the default.
+// Why: on a CPU without int8 or bf16 dot-product instructions (AVX2 + FMA: Zen 1-3, Haswell-Skylake client) a
+// float32 GEMM is bound by its FMA ports (8 fp32 FMAs a cycle on Zen 1, ~80 % of which the panel kernel and oneDNN
+// reach). `vpmaddubsw` multiplies 32 unsigned by signed bytes per instruction and adds adjacent pairs into 16-bit
+// lanes, and a 4-bit code (0..15) times an 8-bit activation (|a| <= 127) summed over 16 products stays below 2^15,
+// so each lane accumulates a whole 32-k block in 16 bits: one multiply instruction per 32 products where float32
+// spends four (docs/benchmarks.md, "gguf_a8 on AVX2"). This is what llama.cpp's CPU kernels and vLLM's CUDA GGUF
+// kernels (`ggml_mul_mat_a8`) compute: activations in 8 bits per block, so the output is not float32's (the quality
+// table in docs/benchmarks.md); the exact float32 path (`coded_linear`) stays the default.
 //
 // The arithmetic, per row of x and 32-k block b: d_a = max|x| / 127, q_a = round-half-even(x / d_a) (x * (1 / d_a)),
 // s_a = the block's float32 sum of x; per column, with the record's d and m (w = d * q + m):
@@ -38,7 +38,7 @@ constexpr int64_t kCols = 16;                   // columns per record (coded_lin
 constexpr int64_t kBlock = 32;                  // k per record
 constexpr int64_t kScaleBytes = 2 * kCols * 4;  // d[16], m[16] float32
 constexpr int64_t kRecord = kScaleBytes + kBlock * kCols / 2;  // 384: 4-bit codes, low nibble k, high nibble k + 1
-static_assert(kRecord == 384, "ops.h's coded_a8_reads");
+static_assert(kRecord == pagoda::kCodedRecord4Bytes, "coded_linear.cpp's 4-bit records");
 constexpr int kTileRows = 4;        // rows per micro-kernel call: 8 16-bit accumulators
 constexpr int64_t kChunkRows = 64;  // rows per work item
 // panels per work item at most: their records (8 x K/32 x 384 bytes, 147 KB at K = 1536) stay in L2 across the rows

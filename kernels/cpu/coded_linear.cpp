@@ -76,6 +76,7 @@ constexpr int64_t kHalfBytes = kScales + (kBlock / 2) * kCols;  // 384
 constexpr int64_t record_bytes(int64_t bits) {
   return bits == kHalves ? 2 * kHalfBytes : kScales + kBlock * kCols * bits / 8;
 }
+static_assert(record_bytes(4) == pagoda::kCodedRecord4Bytes, "ops.h's 4-bit record size");
 
 // Weight (k0 + kk, column j) of a record, decoded as the vector paths decode it.
 template <int BITS>

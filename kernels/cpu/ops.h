@@ -36,7 +36,10 @@ void coded_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records
 // out ~= x @ W^T (+ bias) for W as 4-bit coded_linear records (coded_a8_reads), x quantized to 8 bits per 32-k
 // block (coded_a8_linear.cpp: quantization="gguf_a8"); AVX2 + FMA builds only (coded_a8_supported).
 bool coded_a8_supported();
-inline bool coded_a8_reads(const at::Tensor& records) { return records.dim() == 3 && records.size(2) == 384; }
+constexpr int64_t kCodedRecord4Bytes = 384;  // a 4-bit coded_linear record: d[16], m[16] float32, 256 bytes of codes
+inline bool coded_a8_reads(const at::Tensor& records) {
+  return records.dim() == 3 && records.size(2) == kCodedRecord4Bytes;
+}
 void coded_a8_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& records,
                      const c10::optional<at::Tensor>& bias);
 // out = x @ (codes * scale[:, None])^T (+ bias): int8 weights per output channel, weight-only below w8a8_m rows,

@@ -3,7 +3,7 @@ quantized to 8 bits per 32-k block, in integer dot products (kernels/cpu/coded_a
 
 The weights stay resident once, as the same records the exact path reads (gguf_codes.py); 8-bit records (Q5_0,
 Q5_1, Q8_0 such as the default model's tied LM head, Q6_K) keep the exact float32 arithmetic. This is what
-llama.cpp's CPU kernels and vLLM's GGUF kernels compute (activations in 8 bits per block), so greedy output is no
+llama.cpp's CPU kernels and vLLM's CUDA GGUF kernels compute (activations in 8 bits per block), so greedy output is no
 longer transformers' float32 decoding of the file: the quality table and the speed it buys are in
 docs/benchmarks.md ("gguf_a8 on AVX2"); the exact path stays the default.
 
