@@ -6,7 +6,8 @@ same threads, best of 5) and each format's batch-1 decode are alternated for `--
 see the same machine load. The floor is `resident weight bytes / bandwidth` (every linear, the LM head included;
 attention's few KB of K/V and the one embedding row are left out); the target for int8 and bf16 is <= 1.2x it.
 
-    PYTHONPATH=$PWD python benchmarks/batch1_roofline.py [--formats float32,bfloat16,int8] [--rounds 3]
+    PYTHONPATH=$PWD python benchmarks/batch1_roofline.py [--formats float32,bfloat16,int8,gguf_a8] [--rounds 3]
+        [--model DIR]
 
 `--formats int8,int8-unfused-head` runs the int8 model twice, the second with its LM head as its own call.
 """
@@ -24,7 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline_run import batch1  # the same batch-1 measurement as the side-by-side's
 
-FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+FORMATS = {
+    "float32": {},
+    "bfloat16": {"dtype": "bfloat16"},
+    "int8": {"quantization": "int8"},
+    "gguf_a8": {"quantization": "gguf_a8"},
+}
 # NOTE: the same int8 engine with its LM head as its own call (worker/head_step.py off), for an A/B in one process
 UNFUSED_HEAD = "int8-unfused-head"
 
@@ -43,6 +49,7 @@ def main() -> None:
     ap.add_argument("--formats", default="float32,bfloat16,int8")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", default=None, help="an HF directory or .gguf (default: SmolLM2-135M-Instruct's GGUF)")
     args = ap.parse_args()
 
     from engine_core import LLM, SamplingParams
@@ -52,7 +59,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     engines = {}
     for name in args.formats.split(","):
-        llm = LLM(kv_cache_memory=0.25, num_threads=args.threads, **FORMATS["int8" if name == UNFUSED_HEAD else name])
+        kwargs = FORMATS["int8" if name == UNFUSED_HEAD else name]
+        llm = LLM(args.model, kv_cache_memory=0.25, num_threads=args.threads, **kwargs)
         model = llm.core.executor.model
         if name == UNFUSED_HEAD and isinstance(llm.core.executor.decode_step, NativeDecodeStep):
             llm.core.executor.decode_step.head = None

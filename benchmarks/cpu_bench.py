@@ -9,7 +9,8 @@
   the layers' 4-bit codes with 8-bit activations (`a8`: `coded_a8_linear`, quantization="gguf_a8", AVX2 + FMA),
   bf16 oneDNN (as `dtype="bfloat16"` runs it) and the two int8 kernels of `quantization="int8"` on the same weights
   quantized per channel (`w8`: weight-only, activations in 16 bits per token on VNNI, float32 without it; `w8a8`:
-  int8 activations with per-token scales, VNNI; both kernels/cpu/int8_ops.cpp);
+  int8 activations with per-token scales, VNNI; both kernels/cpu/int8_ops.cpp; `w8r`: the same codes as the coded
+  kernel's 8-bit records, as int8 runs on a CPU without int8 dot products, model/layers/cpu_int8_records.py);
   then the coded kernel on the K-quants' record layouts (Q4_K: 4-bit, Q5_K: 8-bit, Q6_K: two 16-k halves) of
   random valid blocks of the same shapes (`--kquants`).
 - `attention`: decode attention per layer (9 query / 3 KV heads, head dim 64, block size 16, context lengths
@@ -123,15 +124,18 @@ def bench_kquants(rows: list[int]) -> list[dict[str, object]]:
 
 def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
     from engine_core.model.layers.cpu_bfloat16 import cpu_bf16_gemms, this_cpu_flags
-    from engine_core.model.layers.cpu_int8 import int8_unsupported
+    from engine_core.model.layers.cpu_int8 import int8_dot_products
+    from engine_core.model.layers.cpu_int8_records import int8_records
     from engine_core.model.layers.int8_gemm import Int8Weight, int8_gemm, quantize_per_channel
     from kernels import cpu as cpu_kernels
     from kernels.reference import ref_gguf_decoded
 
     # NOTE: the bf16 and int8 columns need their instructions (oneDNN refuses bf16 weights without AVX-512 or
-    # AVX-NE-CONVERT; int8 is refused at load without VNNI): where the CPU lacks them they print "-".
+    # AVX-NE-CONVERT; int8 runs int8_ops.cpp only with int8 dot products, the records elsewhere): where the CPU
+    # lacks them they print "-".
     has_bf16 = cpu_bf16_gemms()  # the engine's own check for dtype="bfloat16"
-    has_int8 = int8_unsupported(this_cpu_flags()) is None
+    has_int8 = int8_dot_products(this_cpu_flags())
+    has_records = cpu_kernels.coded_linear_vectorized()
     has_a8 = cpu_kernels.coded_a8_supported()  # quantization="gguf_a8": AVX2 + FMA builds
     torch.manual_seed(0)
     # NOTE: GGUF-decoded random weights (Q4_1 layers, Q8_0 LM head, as the default model's), so that every kernel,
@@ -153,14 +157,17 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
         w8 = [[int8(w, never) for w in ws] for ws in plain]
         w8a8 = [[Int8Weight(q.codes, q.scale, 0) for q in ws] for ws in w8]
         lm_w8, lm_w8a8 = int8(lm, never), int8(lm, 0)
+    if has_records:
+        w8r = [[(int8_records(*quantize_per_channel(w)), w.shape[0]) for w in ws] for ws in plain]
+        lm_w8r = (int8_records(*quantize_per_channel(lm)), VOCAB)
     panels = [[(cpu_kernels.panel_pack(w), w.shape[0]) for w in ws] for ws in plain]
     lm_panels = (cpu_kernels.panel_pack(lm), VOCAB)
     coded = [[(cpu_kernels.coded_pack(w), w.shape[0]) for w in ws] for ws in plain]
     lm_coded = (cpu_kernels.coded_pack(lm), VOCAB)
     rows_out: list[dict[str, object]] = []
     print(
-        "rows | 30 layers: mkl, onednn, panel, coded, a8, bf16, w8, w8a8 | lm head: mkl, onednn, panel, coded, bf16, "
-        "w8, w8a8   (ms)"
+        "rows | 30 layers: mkl, onednn, panel, coded, a8, bf16, w8, w8a8, w8r | lm head: mkl, onednn, panel, coded, "
+        "bf16, w8, w8a8, w8r   (ms)"
     )
     mkl = torch.nn.functional.linear
 
@@ -201,6 +208,7 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
             row["layers_bf16_ms"] = timed(partial(layers, dnn_bf16, bf16, xs)) if has_bf16 else None
             row["layers_w8_ms"] = timed(partial(layers, int8_op, w8, xs)) if has_int8 else None
             row["layers_w8a8_ms"] = timed(partial(layers, int8_op, w8a8, xs)) if has_int8 else None
+            row["layers_w8r_ms"] = timed(partial(layers, coded_op, w8r, xs)) if has_records else None
             row["lm_mkl_ms"] = timed(partial(mkl, x, lm))
             row["lm_onednn_ms"] = timed(partial(dnn, x, lm_packed))
             row["lm_panel_ms"] = timed(partial(panel, x, lm_panels))
@@ -208,6 +216,7 @@ def bench_gemm(rows: list[int]) -> list[dict[str, object]]:
             row["lm_bf16_ms"] = timed(partial(dnn_bf16, x, lm_bf16)) if has_bf16 else None
             row["lm_w8_ms"] = timed(partial(int8_op, x, lm_w8)) if has_int8 else None
             row["lm_w8a8_ms"] = timed(partial(int8_op, x, lm_w8a8)) if has_int8 else None
+            row["lm_w8r_ms"] = timed(partial(coded_op, x, lm_w8r)) if has_records else None
         cells = [row[k] for k in row if k != "rows"]
         print(f"{m:>5} " + " ".join(f"{c:>9.2f}" if c is not None else f"{'-':>9}" for c in cells), flush=True)
         rows_out.append(row)

@@ -295,7 +295,7 @@ def check_int8(c: Check) -> dict[str, object]:
     ref = _top1(c, model_dir, "float32", prompts, None)
     runs = {"int8": (c.dtype, "int8"), "bfloat16": ("bfloat16", None), "int8_float32_activations": ("float32", "int8")}
     targets = {"int8": (model_dir, "int8"), "bfloat16": (model_dir, None), "gguf_codes": (None, None)}
-    if c.dry_run:  # the wiring on this CPU: int8 only where it has int8 dot products (the CPU path refuses it else)
+    if c.dry_run:  # the wiring on this CPU: int8 only where the CPU path runs it (int8 dot products or AVX2)
         from engine_core.model.layers.cpu_bfloat16 import this_cpu_flags
         from engine_core.model.layers.cpu_int8 import int8_unsupported
 

@@ -8,10 +8,11 @@ prompt whose `prompt_logprobs` give the log-probability of every token after the
 
 Formats (`--formats`, the first is the reference of the agreement columns):
 - `float32`: the model's float32 safetensors export (benchmarks/peer_model.py: the GGUF blocks decoded, bit for bit
-  transformers' tensors), run without codes (float32 panels / oneDNN);
+  transformers' tensors; the CPU linears find those blocks' codes and compute from them, float32's bits);
 - `gguf`: the `.gguf` model itself, `quantization="gguf"` (the weights computed from their codes);
 - `gguf_a8`: the `.gguf` model with `quantization="gguf_a8"` (its 4-bit codes times 8-bit activations);
-- `int8`: the float32 export with `quantization="int8"` (per-channel int8 weights, W8A8 from a few rows);
+- `int8`: the float32 export with `quantization="int8"` (per-channel int8 weights: W8A8 from a few rows on a CPU with
+  int8 dot products, weight-only at every row count without them);
 - a path ending in `.gguf`: that file, computed from its codes; `--gguf-types Q4_K_M,...` adds the default model
   quantized by llama.cpp's own quantizer to each type (benchmarks/kquant_files.py: from a float32 GGUF of the
   Q4_1 file's decoded weights, so every such file is a re-quantization of Q4_1 and float32 is their reference).

@@ -51,7 +51,8 @@ class EngineConfig:
     dtype: str = _opt("auto", "auto (bfloat16 on CUDA, float32 on CPU) | float32 | bfloat16 | float16")
     # NOTE: a .gguf model is computed from its codes whether or not this says gguf (the codes give float32's bits);
     # naming it makes a non-GGUF model an error at load instead of a silent float32 run.
-    # int8 (CPU, AVX-512 VNNI): model/layers/cpu_int8.py; CUDA: layers/cuda_codes.py; float32 stays the default.
+    # int8 (CPU: model/layers/cpu_int8.py with int8 dot products, cpu_int8_records.py on AVX2 without them; CUDA:
+    # layers/cuda_codes.py); float32 stays the default.
     quantization: str | None = _opt(
         None,
         "gguf (default for a .gguf model) | gguf_a8 (a .gguf model on CPU: 8-bit activations, faster, not float32's "

@@ -40,6 +40,14 @@ def _top1(llm: LLM, texts: list[list[int]]) -> list[list[tuple[int, float]]]:
     return result
 
 
+def agreement(got: list[list[tuple[int, float]]], want: list[list[tuple[int, float]]]) -> tuple[float, float]:
+    """(the share of positions where `got`'s top token is `want`'s, the mean |log-probability difference| of that
+    token where it is)."""
+    pairs = [(g, w) for gs, ws in zip(got, want, strict=True) for g, w in zip(gs, ws, strict=True)]
+    drifts = [abs(g[1] - w[1]) for g, w in pairs if g[0] == w[0]]
+    return len(drifts) / len(pairs), sum(drifts) / max(1, len(drifts))
+
+
 @pytest.fixture(scope="module")
 def float32_reference(offline_llm: LLM, smollm2_tokenizer) -> tuple[list[list[int]], list[list[tuple[int, float]]]]:
     """The teacher-forced texts and float32's top token (and its log-probability) at every position."""
@@ -64,13 +72,7 @@ def test_bf16_picks_float32s_top_token_at_almost_every_position(
     texts, want = float32_reference
     llm = LLM(smollm2_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype, kv_cache_memory=0.5)
     assert llm.engine.runner.kv_dtype == torch.bfloat16  # "auto" with dtype="bfloat16": a bf16 cache
-    got = _top1(llm, texts)
-    pairs = [(g, w) for gs, ws in zip(got, want, strict=True) for g, w in zip(gs, ws, strict=True)]
-    agree = sum(g[0] == w[0] for g, w in pairs) / len(pairs)
-    drift = sum(abs(g[1] - w[1]) for g, w in pairs if g[0] == w[0]) / max(1, sum(g[0] == w[0] for g, w in pairs))
-    print(
-        f"{dtype}, kv {kv_cache_dtype} vs float32: top-1 agreement {agree:.4f} over {len(pairs)} positions, "
-        f"mean logprob drift {drift:.4f}"
-    )
+    agree, drift = agreement(_top1(llm, texts), want)
+    print(f"{dtype}, kv {kv_cache_dtype} vs float32: top-1 agreement {agree:.4f}, mean logprob drift {drift:.4f}")
     assert agree >= MIN_TOP1_AGREEMENT
     assert 0 < drift <= MAX_LOGPROB_DRIFT  # > 0: the bf16 run really is another computation

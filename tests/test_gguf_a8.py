@@ -18,7 +18,7 @@ from engine_core.model.native_decode import NativeDecodeStep
 from engine_core.model.quantization import resolve_weight_format
 from kernels import cpu as cpu_kernels
 from services.cli import _parser
-from tests.test_bf16_quality import _top1, float32_reference  # noqa: F401 (a fixture)
+from tests.test_bf16_quality import _top1, agreement, float32_reference  # noqa: F401 (a fixture)
 from tests.test_model_families import _tiny, assert_native_step_matches_layer_loop
 
 needs_a8 = pytest.mark.skipif(
@@ -75,11 +75,8 @@ def test_gguf_a8_picks_float32s_top_token_at_almost_every_position(
     float32_reference: tuple[list[list[int]], list[list[tuple[int, float]]]],  # noqa: F811
 ) -> None:
     texts, want = float32_reference
-    got = _top1(a8_llm, texts)
-    pairs = [(g, w) for gs, ws in zip(got, want, strict=True) for g, w in zip(gs, ws, strict=True)]
-    agree = sum(g[0] == w[0] for g, w in pairs) / len(pairs)
-    drift = sum(abs(g[1] - w[1]) for g, w in pairs if g[0] == w[0]) / max(1, sum(g[0] == w[0] for g, w in pairs))
-    print(f"gguf_a8 vs float32: top-1 agreement {agree:.4f} over {len(pairs)} positions, mean drift {drift:.4f}")
+    agree, drift = agreement(_top1(a8_llm, texts), want)
+    print(f"gguf_a8 vs float32: top-1 agreement {agree:.4f}, mean drift {drift:.4f}")
     assert agree >= MIN_TOP1_AGREEMENT
     assert 0 < drift <= MAX_LOGPROB_DRIFT  # > 0: another computation than float32's, really
 

@@ -17,7 +17,7 @@ from engine_core.config import EngineConfig
 from engine_core.model.compressed_tensors_weights import iter_int8_checkpoint
 from engine_core.model.layers import int8_gemm as int8_gemm_module
 from engine_core.model.layers.cpu_bfloat16 import this_cpu_flags
-from engine_core.model.layers.cpu_int8 import CpuInt8Method, int8_unsupported
+from engine_core.model.layers.cpu_int8 import CpuInt8Method, int8_dot_products
 from engine_core.model.layers.int8_gemm import Int8Weight, int8_gemm, quantize_per_channel
 from engine_core.model.layers.linear import Linear
 from engine_core.model.native_decode import NativeDecodeStep
@@ -26,7 +26,7 @@ from kernels import cpu as cpu_kernels
 from services.cli import _parser
 from tests.test_model_families import VOCAB, _tiny, assert_native_step_matches_layer_loop
 
-needs_vnni = pytest.mark.skipif(int8_unsupported(this_cpu_flags()) is not None, reason="no int8 dot products here")
+needs_vnni = pytest.mark.skipif(not int8_dot_products(this_cpu_flags()), reason="no int8 dot products here")
 
 
 def test_per_channel_codes_round_trip_within_half_a_step() -> None:
@@ -131,11 +131,12 @@ def test_int8_native_decode_step_matches_the_python_layers(w8a8_m: int, tmp_path
     assert_native_step_matches_layer_loop(llm, (3, 40, 1, 17, 9), max_tokens=10, tolerance=0.0 if exact else 1e-5)
 
 
-def test_int8_is_refused_on_a_cpu_without_int8_dot_products(tmp_path: Path) -> None:
+def test_int8_is_refused_on_a_cpu_without_int8_dot_products_or_avx2(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     cpu = torch.device("cpu")
-    with pytest.raises(ValueError, match="quantization='int8' needs a CPU with one of avx512_vnni"):
-        resolve_weight_format("int8", str(tmp_path), cpu, cpu_flags={"avx2", "fma"})
+    refused = r"quantization='int8' needs a CPU with one of avx512_vnni.*or with avx2 and fma"
+    with pytest.raises(ValueError, match=refused):
+        resolve_weight_format("int8", str(tmp_path), cpu, cpu_flags={"sse4_2", "avx"})
     assert resolve_weight_format("int8", str(tmp_path), cpu, cpu_flags={"avx512_vnni"}).int8
     assert not resolve_weight_format(None, str(tmp_path), cpu, cpu_flags=set()).int8
     with pytest.raises(ValueError, match="quantization='compressed-tensors' needs a checkpoint"):
@@ -246,14 +247,17 @@ def test_a_compressed_tensors_checkpoint_loads_its_own_codes(tmp_path: Path, smo
         assert torch.allclose(int8.scale, torch.cat([s for _, s in want]), rtol=1e-6)
     # the checkpoint's float LM head runs int8 too (quantized at load)
     assert model.lm_head.cpu_forms is not None and model.lm_head.cpu_forms.int8 is not None
+    got = greedy_tokens(ct)
+    del ct
+    assert got == greedy_tokens(LLM(str(float_dir), quantization="int8", kv_cache_memory=0.02))
+
+
+def greedy_tokens(llm: LLM) -> list[list[int]]:
+    """Greedy continuations (6 tokens) of two fixed random prompts."""
     gen = torch.Generator().manual_seed(3)
     prompts = [{"prompt_token_ids": torch.randint(0, VOCAB, (n,), generator=gen).tolist()} for n in (40, 7)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in ct.generate(prompts, params, use_tqdm=False)]
-    del ct
-    ref = LLM(str(float_dir), quantization="int8", kv_cache_memory=0.02, enable_prefix_caching=False)
-    want_tokens = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    assert got == want_tokens
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
 def test_a_refused_compressed_tensors_scheme_fails_at_load_naming_the_field(tmp_path: Path) -> None:

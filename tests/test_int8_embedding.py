@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from engine_core import LLM
 from engine_core.model.layers.cpu_bfloat16 import this_cpu_flags
-from engine_core.model.layers.cpu_int8 import int8_unsupported
+from engine_core.model.layers.cpu_int8 import int8_dot_products
 from engine_core.model.layers.int8_embedding import Int8Embedding
 from engine_core.model.layers.linear import Linear
 from engine_core.model.llama import Embedding, LlamaForCausalLM
@@ -21,7 +21,7 @@ from engine_core.model.native_decode import NativeDecodeStep
 from kernels import cpu as cpu_kernels
 from tests.test_model_families import VOCAB, _tiny, assert_native_step_matches_layer_loop
 
-pytestmark = pytest.mark.skipif(int8_unsupported(this_cpu_flags()) is not None, reason="no int8 dot products here")
+pytestmark = pytest.mark.skipif(not int8_dot_products(this_cpu_flags()), reason="no int8 dot products here")
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import torch
 
 from engine_core import LLM, SamplingParams
 from engine_core.model.layers.cpu_bfloat16 import this_cpu_flags
-from engine_core.model.layers.cpu_int8 import int8_unsupported
+from engine_core.model.layers.cpu_int8 import int8_dot_products
 from engine_core.model.layers.linear import Linear
 from engine_core.model.native_decode import NativeDecodeStep
 from engine_core.sample.sampler import FAILED_TOKEN, row_argmax
@@ -21,7 +21,7 @@ from engine_core.worker.step_sampling import UNSAMPLEABLE, picked_step
 from kernels import cpu as cpu_kernels
 from tests.test_model_families import VOCAB, _tiny
 
-pytestmark = pytest.mark.skipif(int8_unsupported(this_cpu_flags()) is not None, reason="no int8 dot products here")
+pytestmark = pytest.mark.skipif(not int8_dot_products(this_cpu_flags()), reason="no int8 dot products here")
 
 PROMPT_LENS = (3, 40, 1, 17, 9)
 

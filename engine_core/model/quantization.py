@@ -49,8 +49,9 @@ def resolve_weight_format(
     if int8 and device.type not in ("cpu", "cuda"):
         raise ValueError(f"quantization={quantization or 'compressed-tensors'!r} runs on CPU or CUDA, not {device}")
     if int8 and device.type == "cpu":  # CUDA: weight-only int8 through Triton (layers/cuda_codes.py)
-        # NOTE: refused rather than run: without int8 dot products oneDNN emulates them slower than float32, and a
-        # user who asked for int8 asked for speed at a known quality cost.
+        # NOTE: refused rather than run on a CPU with neither int8 dot products nor AVX2: oneDNN emulates the dot
+        # products slower than float32 and the coded kernel is portable code there, and a user who asked for int8
+        # asked for speed at a known quality cost.
         reason = int8_unsupported(this_cpu_flags() if cpu_flags is None else cpu_flags)
         if reason is not None:
             raise ValueError(reason)

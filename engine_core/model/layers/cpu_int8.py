@@ -7,7 +7,8 @@
   its own scale (dynamic per token) in one native pass, the int32 product scaled back by the row's and the
   channel's scales (+ bias) in place in another.
 Norms, rotary, attention, the KV cache and sampling stay float32 through the float32 path's native kernels, and
-decode-only steps run the native whole-step decode (kernels/cpu/decode_step.cpp calls the same op).
+decode-only steps run the native whole-step decode (kernels/cpu/decode_step.cpp calls the same op). On a CPU without
+int8 dot products the same codes are kept as the coded kernel's records instead (cpu_int8_records.py).
 
 NOTE: why these two (docs/benchmarks.md, "int8 on CPU"): `_int_mm` on CPU is oneDNN's VNNI GEMM, 1.8x bf16 oneDNN
 from 16 rows; at a few rows the bytes of W are the cost, which the weight-only kernel streams once. torch's own
@@ -27,18 +28,32 @@ from engine_core.model.layers.cpu_forms import CpuWeightForms
 from engine_core.model.layers.cpu_gemm_rows import NEVER, CpuGemmRows
 from engine_core.model.layers.int8_gemm import Int8Weight, quantize_per_channel, w8a8_from_rows
 from engine_core.model.layers.linear import Linear
+from kernels import cpu as cpu_kernels
 
-# A CPU with one of these runs oneDNN's int8 GEMM (`_int_mm`) on int8 dot-product instructions; without them it
-# emulates them, slower than bf16 or float32, so int8 is refused there.
+# A CPU with one of these runs oneDNN's int8 GEMM (`_int_mm`) on int8 dot-product instructions; one without them
+# but with RECORDS_CPU_FLAGS keeps the codes as the coded kernel's 8-bit records, weight-only (cpu_int8_records.py);
+# anything else is refused.
 INT8_CPU_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+RECORDS_CPU_FLAGS = ("avx2", "fma")
+
+
+def int8_dot_products(cpu_flags: Iterable[str]) -> bool:
+    """Whether this CPU (its /proc/cpuinfo flags) has int8 dot-product instructions: the int8 form here, else the
+    records form."""
+    return any(f in set(cpu_flags) for f in INT8_CPU_FLAGS)
 
 
 def int8_unsupported(cpu_flags: Iterable[str]) -> str | None:
-    """Why this CPU cannot run int8 GEMMs fast (None: it can), from its /proc/cpuinfo flags."""
+    """Why this CPU cannot run int8 weights fast (None: it can), from its /proc/cpuinfo flags."""
     flags = set(cpu_flags)
-    if not any(f in flags for f in INT8_CPU_FLAGS):
-        return f"quantization='int8' needs a CPU with one of {', '.join(INT8_CPU_FLAGS)}; this one has none"
-    return None
+    if int8_dot_products(flags):
+        return None
+    if all(f in flags for f in RECORDS_CPU_FLAGS) and cpu_kernels.available() and cpu_kernels.coded_linear_vectorized():
+        return None
+    return (
+        f"quantization='int8' needs a CPU with one of {', '.join(INT8_CPU_FLAGS)}, or with "
+        f"{' and '.join(RECORDS_CPU_FLAGS)} and the native CPU kernels; this one has neither"
+    )
 
 
 # NOTE: no float32 form reaches any row count (the int8 codes serve them all), so the float thresholds are off.
